@@ -1,0 +1,162 @@
+"""`specpipe build`: resolve a draft/target pair, check it, export both to engines, write the manifest.
+
+Everything is built in a hidden temp folder next to the output and renamed into place at the end, so a
+failed build leaves no half-written engines/<name>.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Optional
+
+from specpipe.config import BuildConfig
+from specpipe.engines.onnxruntime import OrtEngine, optimize_for_cpu, write_engine_meta
+from specpipe.errors import OutputExistsError
+from specpipe.export.onnx import check_export, export_onnx
+from specpipe.manifest import file_hashes, library_versions, now_iso, write_manifest
+
+Progress = Callable[[str], None]
+
+
+def default_name(target: str, draft: str) -> str:
+    def short(spec: str) -> str:
+        stem = Path(spec.rstrip("/")).name
+        stem = stem[:-5] if stem.endswith(".gguf") else stem
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.") or "model"
+
+    return f"{short(target)}--{short(draft)}"
+
+
+def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
+    """Build engines/<name>/ (and the Triton repository when cfg.repo_dir is set). Returns the folder."""
+    from specpipe.checkpoint import check_pair, load_tokenizer, resolve_checkpoint, tokenizer_hash
+
+    say = progress or (lambda msg: None)
+    name = cfg.name or default_name(cfg.target, cfg.draft)
+    final = Path(cfg.engines_dir) / name
+    if final.exists() and not cfg.force:
+        raise OutputExistsError(f"{final} exists; pass --force to replace it")
+    started = time.perf_counter()
+
+    say(f"resolving target {cfg.target}")
+    target = resolve_checkpoint(cfg.target, allow_pickle=cfg.allow_pickle)
+    say(f"resolving draft {cfg.draft}")
+    draft = resolve_checkpoint(cfg.draft, allow_pickle=cfg.allow_pickle)
+    say("checking the pair is compatible")
+    check_pair(target.path, draft.path)
+
+    Path(cfg.engines_dir).mkdir(parents=True, exist_ok=True)
+    with _staging(final) as stage:
+        tokenizer = load_tokenizer(target.path)
+        tokenizer.save_pretrained(str(stage / "tokenizer"))
+        timings: dict[str, float] = {}
+        target_entry = _build_engine(target, stage / "target", cfg, say, timings, "target")
+        if draft.weights_sha256 == target.weights_sha256:
+            say("draft is the target: reusing its engine")
+            shutil.copytree(stage / "target", stage / "draft", copy_function=_link_or_copy)
+            draft_entry = {**target_entry, "source": draft.source, "engine": {**target_entry["engine"], "path": "draft"}}
+        else:
+            draft_entry = _build_engine(draft, stage / "draft", cfg, say, timings, "draft")
+        timings["total_s"] = time.perf_counter() - started
+        write_manifest(
+            stage,
+            {
+                "name": name,
+                "created": now_iso(),
+                "specpipe_version": library_versions()["specpipe"],
+                "versions": library_versions(),
+                "build": json.loads(cfg.model_dump_json()),
+                "tokenizer": {"path": "tokenizer", "hash": tokenizer_hash(tokenizer)},
+                "eos_token_ids": _eos_token_ids(target.path, tokenizer),
+                "max_draft_len": cfg.max_draft_len,
+                "target": target_entry,
+                "draft": {"kind": "model", **draft_entry},
+                "timings_s": timings,
+            },
+        )
+    say(f"wrote {final} in {time.perf_counter() - started:.1f} s")
+    return final
+
+
+def _build_engine(ckpt, out: Path, cfg: BuildConfig, say: Progress, timings: dict, role: str) -> dict:
+    """Export one checkpoint, optimize it for ONNX Runtime, and check it against torch."""
+    from specpipe.checkpoint import inspect_checkpoint, load_causal_lm
+
+    info = inspect_checkpoint(ckpt.path)
+    t0 = time.perf_counter()
+    say(f"exporting {role} to ONNX (optimum, {info.num_layers} layers)")
+    with tempfile.TemporaryDirectory(prefix="specpipe-export-") as raw:
+        export_onnx(ckpt.path, Path(raw))
+        timings[f"{role}_export_s"] = time.perf_counter() - t0
+        say(f"optimizing the {role} graph for ONNX Runtime")
+        optimize_for_cpu(Path(raw) / "model.onnx", out, threads=cfg.threads)
+    write_engine_meta(
+        out,
+        vocab_size=info.vocab_size,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.hidden_size // info.num_heads,
+        max_seq_len=min(int(info.max_position_embeddings or 2048), 8192),
+        quant="none",
+        ort_optimized=True,
+    )
+    t1 = time.perf_counter()
+    say(f"checking the {role} engine against torch")
+    max_abs_diff = check_export(
+        load_causal_lm(ckpt.path, allow_pickle=cfg.allow_pickle),
+        OrtEngine(out, threads=cfg.threads),
+        tolerance=cfg.export_tolerance,
+        name=role,
+    )
+    timings[f"{role}_check_s"] = time.perf_counter() - t1
+    return {
+        "source": ckpt.source,
+        "resolved_path": str(ckpt.path),
+        "weights_sha256": ckpt.weights_sha256,
+        "checkpoint": info.model_dump(mode="json"),
+        "engine": {"path": out.name, "backend": "onnxruntime", "quant": "none", "files": file_hashes(out)},
+        "export_check": {"max_abs_diff": max_abs_diff, "tolerance": cfg.export_tolerance},
+    }
+
+
+def _eos_token_ids(checkpoint: Path, tokenizer) -> list[int]:
+    ids = set()
+    gen_cfg = Path(checkpoint) / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(int(i) for i in ids)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+@contextmanager
+def _staging(final: Path):
+    """A hidden temp folder beside `final`; renamed onto it on success, removed on any failure."""
+    stage = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        yield stage
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            final.rename(old)
+            stage.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            stage.rename(final)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise

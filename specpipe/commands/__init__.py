@@ -1,0 +1,1 @@
+"""Click commands, one module each; registered in specpipe/cli.py."""

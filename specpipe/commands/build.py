@@ -1,0 +1,52 @@
+"""`specpipe build`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from specpipe.config import BuildConfig, field_default, field_help, make_config
+
+
+@click.command()
+@click.option("--target", required=True, help="Target: HF checkpoint folder, .gguf file, or alias (e.g. smollm2-135m).")
+@click.option("--draft", required=True, help="Draft: same forms as --target; must share the target's tokenizer.")
+@click.option("--name", default=None, help="Output name under --engines-dir. [default: TARGET--DRAFT]")
+@click.option("--engines-dir", type=click.Path(path_type=Path), default=field_default(BuildConfig, "engines_dir"), show_default=True)
+@click.option("--repo-dir", type=click.Path(path_type=Path), default=field_default(BuildConfig, "repo_dir"), show_default=True,
+              help="Triton model repository to write.")
+@click.option("--max-draft-len", type=int, default=field_default(BuildConfig, "max_draft_len"), show_default=True,
+              help=field_help(BuildConfig, "max_draft_len"))
+@click.option("--threads", type=int, default=field_default(BuildConfig, "threads"), show_default=True,
+              help=field_help(BuildConfig, "threads"))
+@click.option("--export-tolerance", type=float, default=field_default(BuildConfig, "export_tolerance"), show_default=True,
+              help=field_help(BuildConfig, "export_tolerance"))
+@click.option("--allow-pickle", is_flag=True, help="Allow pickle (.bin) weights. Only for checkpoints you trust.")
+@click.option("--force", is_flag=True, help="Replace an existing build of the same name.")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON when done.")
+def build(as_json: bool, **options) -> None:
+    """Check a draft/target pair, export both to engines, and write engines/NAME/manifest.json.
+
+    \b
+    Example:
+      specpipe build --target smollm2-135m --draft path/to/draft
+    """
+    from rich.console import Console
+
+    from specpipe.build import build as build_pair
+
+    cfg = make_config(BuildConfig, **options)
+    console = Console(stderr=True)
+    with console.status("building") as status:
+        folder = build_pair(cfg, progress=lambda msg: (status.update(msg), console.log(msg)))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    if as_json:
+        click.echo(json.dumps(manifest, indent=2))
+    else:
+        t, d = manifest["target"], manifest["draft"]
+        click.echo(f"built {folder}")
+        click.echo(f"  target {t['source']}: max |logit diff| vs torch {t['export_check']['max_abs_diff']:.2e}")
+        click.echo(f"  draft  {d['source']}: max |logit diff| vs torch {d['export_check']['max_abs_diff']:.2e}")
+        click.echo(f"  took {manifest['timings_s']['total_s']:.1f} s")

@@ -1,0 +1,166 @@
+"""One strict, typed config tree. Every default lives here; the CLI reads its defaults from these models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class SamplingConfig(Strict):
+    """How a next-token distribution is shaped. Applied identically to target (p) and draft (q).
+
+    temperature == 0 means greedy (argmax); top_k == 0 and top_p == 1.0 mean "off".
+    """
+
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass to keep, in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class GenerationConfig(Strict):
+    """One request: sampling, lengths, stopping, speculation."""
+
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    max_new_tokens: int = Field(128, ge=1)
+    num_draft_tokens: int = Field(4, ge=1, description="K: tokens the draft proposes per step (the first K when adaptive)")
+    draft_length: Literal["adaptive", "fixed"] = Field(
+        "adaptive", description="adaptive: K moves with acceptance and drafting stops when the draft is unsure"
+    )
+    max_draft_tokens: int = Field(8, ge=1, description="adaptive K's ceiling")
+    min_draft_confidence: float = Field(
+        0.4, ge=0.0, le=1.0, description="adaptive: stop drafting after a token whose top draft probability is below this"
+    )
+    speculative: bool = True
+    stop: list[str] = Field(default_factory=list, description="stop strings (checked on decoded text)")
+    stop_on_eos: bool = True
+    seed: Optional[int] = Field(None, description="seed for sampling; None = nondeterministic")
+
+    @model_validator(mode="after")
+    def _adaptive_k_fits(self) -> "GenerationConfig":
+        if self.draft_length == "adaptive" and self.num_draft_tokens > self.max_draft_tokens:
+            raise ValueError(
+                f"num_draft_tokens {self.num_draft_tokens} > max_draft_tokens {self.max_draft_tokens} (adaptive K starts there)"
+            )
+        return self
+
+
+class BuildConfig(Strict):
+    """`specpipe build`: a draft/target pair -> engines/<name>/ (+ triton_repo/)."""
+
+    target: str
+    draft: str
+    name: Optional[str] = Field(None, description="default: derived from the pair")
+    engines_dir: Path = Path("engines")
+    repo_dir: Optional[Path] = Field(Path("triton_repo"), description="Triton model repository to write; None = none")
+    max_draft_len: int = Field(8, ge=1, le=64, description="largest K the engines are built for")
+    force: bool = False
+    allow_pickle: bool = False
+    threads: int = Field(2, ge=1, description="ONNX Runtime intra-op threads")
+    export_tolerance: float = Field(1e-3, gt=0, description="max |logit diff| engine vs torch (fp32)")
+    backend: Literal["onnxruntime"] = "onnxruntime"
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_folder_name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and (not v or "/" in v or v in {".", ".."}):
+            raise ValueError(f"--name must be a plain folder name, got {v!r}")
+        return v
+
+
+def make_config(model: type[BaseModel], **values):
+    """Build a config model; a validation failure becomes one UsageError line naming the CLI option."""
+    from pydantic import ValidationError
+
+    from specpipe.errors import UsageError
+
+    try:
+        return model(**values)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            option = "--" + "-".join(str(part) for part in err["loc"] if isinstance(part, str)).replace("_", "-")
+            problems.append(f"{option}: {err['msg']}" if err["loc"] else err["msg"])
+        raise UsageError("; ".join(problems)) from None
+
+
+def field_default(model: type[BaseModel], name: str):
+    """The default of a config field, for click options (so help text and behaviour cannot drift)."""
+    return model.model_fields[name].get_default(call_default_factory=True)
+
+
+def field_help(model: type[BaseModel], name: str) -> str:
+    return model.model_fields[name].description or ""
+
+
+class NgramConfig(Strict):
+    """Prompt lookup drafting: match the context's last n tokens, n from ngram_max down to ngram_min.
+
+    Peers: transformers matches n <= 2 (`max_matching_ngram_size`), vLLM asks for `prompt_lookup_max`
+    with `prompt_lookup_min` defaulting to 1.
+    """
+
+    ngram_max: int = Field(3, ge=1, description="longest n-gram to look up")
+    ngram_min: int = Field(1, ge=1, description="shortest n-gram to look up")
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "NgramConfig":
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min {self.ngram_min} > ngram_max {self.ngram_max}")
+        return self
+
+
+QuantMode = Literal["none", "int8-wo", "int4-wo", "int8", "fp8"]
+KvCacheDtype = Literal["auto", "fp8", "int8"]
+
+
+class AccuracyBudget(Strict):
+    """How far a quantized engine may drift from the unquantized engine of the same model.
+
+    Measured teacher-forced on held-out text and prompts disjoint from the calibration set
+    (specpipe.quantize.accuracy). Relative perplexity change = ppl_quant / ppl_ref - 1.
+    """
+
+    max_ppl_increase: float = Field(0.05, ge=0.0, description="largest relative perplexity increase (0.05 = +5%)")
+    min_top1_agreement: float = Field(0.9, ge=0.0, le=1.0, description="smallest share of positions whose argmax matches")
+    max_mean_kl: Optional[float] = Field(None, gt=0.0, description="largest mean KL(p_ref || p_quant) in nats; None = report only")
+
+
+class QuantConfig(Strict):
+    """How one engine (target or draft) is quantized; `mode` none keeps fp32.
+
+    int8-wo / int4-wo: weight-only, ONNX Runtime MatMulNBits (group-wise, symmetric).
+    int8: W8A8 QDQ, per-channel weights, activation scales calibrated on prompts.
+    fp8: E4M3 weights and activations as QDQ with calibrated scales; ONNX Runtime on CPU emulates
+    it (that is how accuracy is checked here), TensorRT on Hopper/Ada runs the same graph natively.
+    """
+
+    mode: QuantMode = "none"
+    group_size: int = Field(32, ge=16, description="weight-only: weights per quantization group (power of 2, >= 16)")
+    calib_prompts: Optional[Path] = Field(None, description="JSONL with {\"prompt\": ...} lines; None = the packaged set")
+    calib_size: int = Field(64, ge=1, description="calibration prompts used for int8 / fp8")
+    calib_max_tokens: int = Field(256, ge=8, description="longest calibration sequence, in tokens")
+    smooth_quant: bool = Field(False, description="int8: SmoothQuant smoothing before quantizing (needs neural-compressor)")
+    kv_cache_dtype: KvCacheDtype = Field("auto", description="KV cache precision; fp8/int8 need an engine that stores it so")
+    budget: AccuracyBudget = Field(default_factory=AccuracyBudget)
+    accept_accuracy_loss: bool = Field(False, description="keep an engine that is over its accuracy budget")
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_size_is_a_power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"group size must be a power of 2 (MatMulNBits block size), got {v}")
+        return v
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.mode in ("int8", "fp8")

@@ -1,0 +1,57 @@
+"""Open a built deployment (engines/<name>/): manifest, tokenizer, target engine, drafter, generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from specpipe.config import GenerationConfig
+from specpipe.engines.base import Engine, load_engine
+from specpipe.errors import EngineError
+from specpipe.manifest import read_manifest
+from specpipe.spec.drafters import Drafter, ModelDrafter
+from specpipe.spec.generator import SpecGenerator
+
+
+@dataclass
+class Deployment:
+    folder: Path
+    manifest: dict
+    tokenizer: object
+    target: Engine
+    drafter: Optional[Drafter]
+    generator: SpecGenerator
+
+    @property
+    def max_draft_len(self) -> int:
+        return int(self.manifest.get("max_draft_len", 8))
+
+    def generation_config(self, **overrides) -> GenerationConfig:
+        """A GenerationConfig for this deployment; K beyond the built max_draft_len is refused."""
+        cfg = GenerationConfig(**overrides)
+        if cfg.num_draft_tokens > self.max_draft_len:
+            raise EngineError(
+                f"num_draft_tokens {cfg.num_draft_tokens} > max_draft_len {self.max_draft_len} this deployment was built for"
+            )
+        return cfg
+
+
+def make_drafter(folder: Path, draft: dict, target: Engine, threads: int) -> Optional[Drafter]:
+    """The drafter the manifest's `draft` section describes (kind: model, ...)."""
+    kind = draft.get("kind", "model")
+    if kind == "model":
+        return ModelDrafter(load_engine(folder / draft["engine"]["path"], threads=threads), target.vocab_size)
+    raise EngineError(f"{folder}: unknown draft kind {kind!r} in manifest")
+
+
+def load_deployment(folder: str | Path, *, threads: int = 2) -> Deployment:
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest["tokenizer"]["path"]))
+    target = load_engine(folder / manifest["target"]["engine"]["path"], threads=threads)
+    drafter = make_drafter(folder, manifest["draft"], target, threads)
+    generator = SpecGenerator(target, drafter, tokenizer, manifest.get("eos_token_ids", ()))
+    return Deployment(folder, manifest, tokenizer, target, drafter, generator)

@@ -1,0 +1,103 @@
+"""The Engine interface: one loaded model, many independent sequences, each with its own KV cache.
+
+An `EngineSequence` holds the token ids whose keys and values are cached. `append(ids)` runs the model
+on any number of new tokens on top of the cache and returns logits for every new position (that is how
+K drafted tokens are verified in one call); `truncate(n)` rolls the cache back to its first n tokens.
+Sequences of one engine may run in different threads at once.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from specpipe.errors import EngineError
+
+ENGINE_META = "engine.json"
+
+
+class EngineSequence(ABC):
+    """Token ids with a KV cache. Subclasses implement `_forward` and `_truncate_cache`."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Run the model on `token_ids` after the cache. Returns logits, float32 [len(token_ids), vocab]."""
+        token_ids = [int(t) for t in token_ids]
+        if not token_ids:
+            raise ValueError("append() needs at least one token")
+        logits = self._forward(token_ids)
+        self.tokens.extend(token_ids)
+        return logits
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` cached tokens (rollback after a rejected draft)."""
+        if not 0 <= length <= len(self.tokens):
+            raise ValueError(f"cannot truncate a {len(self.tokens)}-token cache to {length}")
+        if length < len(self.tokens):
+            self._truncate_cache(length)
+            del self.tokens[length:]
+
+    def sync(self, context: Sequence[int]) -> np.ndarray:
+        """Make the cache hold exactly `context`, reusing the longest cached prefix.
+
+        Returns the logits of the positions that had to be (re)computed, the last of which predicts the
+        token after `context`. At least the last token is always recomputed so there is a logit to return.
+        """
+        keep = 0
+        for cached, wanted in zip(self.tokens, context):
+            if cached != wanted:
+                break
+            keep += 1
+        keep = min(keep, len(context) - 1)
+        self.truncate(keep)
+        return self.append(context[keep:])
+
+    @abstractmethod
+    def _forward(self, token_ids: list[int]) -> np.ndarray: ...
+
+    @abstractmethod
+    def _truncate_cache(self, length: int) -> None: ...
+
+
+class Engine(ABC):
+    """A loaded model. `vocab_size` is the width of its logits."""
+
+    vocab_size: int
+    max_seq_len: int
+
+    @abstractmethod
+    def new_sequence(self) -> EngineSequence: ...
+
+
+def read_engine_meta(folder: Path) -> dict:
+    meta_path = Path(folder) / ENGINE_META
+    if not meta_path.is_file():
+        raise EngineError(f"{folder} is not an engine folder (no {ENGINE_META})")
+    try:
+        return json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise EngineError(f"{meta_path} is not valid JSON: {exc}") from None
+
+
+def load_engine(folder: str | Path, *, threads: int = 2) -> Engine:
+    """Open the engine in `folder`, choosing the backend its engine.json names (imported lazily)."""
+    folder = Path(folder)
+    backend = read_engine_meta(folder).get("backend", "onnxruntime")
+    if backend == "onnxruntime":
+        from specpipe.engines.onnxruntime import OrtEngine
+
+        return OrtEngine(folder, threads=threads)
+    if backend == "tensorrt":
+        from specpipe.engines.tensorrt import TensorRTEngine  # needs CUDA + tensorrt
+
+        return TensorRTEngine(folder)
+    raise EngineError(f"{folder}: unknown engine backend {backend!r}")

@@ -1,0 +1,121 @@
+"""ONNX Runtime engine: the embedded CPU default.
+
+The graph is the one optimum exports for `text-generation-with-past`: inputs input_ids, attention_mask,
+position_ids and past_key_values.{i}.key/value [batch, kv_heads, past_len, head_dim]; outputs logits
+[batch, n, vocab] and present.{i}.key/value. One call takes any number of new tokens on top of the cache.
+Rollback is a slice of the cached arrays along the sequence axis.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from specpipe.engines.base import ENGINE_META, Engine, EngineSequence, read_engine_meta
+from specpipe.errors import EngineError
+
+MODEL_FILE = "model.onnx"
+
+_ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def session_options(threads: int, *, optimize: bool = True):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    so.log_severity_level = 3
+    return so
+
+
+class OrtEngine(Engine):
+    def __init__(self, folder: str | Path, *, threads: int = 2):
+        import onnxruntime as ort
+
+        self.folder = Path(folder)
+        self.meta = read_engine_meta(self.folder)
+        model_path = self.folder / MODEL_FILE
+        if not model_path.is_file():
+            raise EngineError(f"{self.folder} has no {MODEL_FILE}")
+        try:
+            # Graphs saved already optimized by `optimize_for_cpu` skip the optimizer at load time.
+            so = session_options(threads, optimize=not self.meta.get("ort_optimized", False))
+            self.session = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+            raise EngineError(f"cannot load {model_path}: {str(exc).splitlines()[0]}") from None
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        outputs = [o.name for o in self.session.get_outputs()]
+        self.past_names = sorted((n for n in inputs if n.startswith("past_key_values.")), key=_kv_order)
+        self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
+        if "logits" not in outputs or any(p not in outputs for p in self.present_names) or not self.past_names:
+            raise EngineError(f"{model_path} is not a text-generation-with-past graph (inputs {sorted(inputs)[:4]}...)")
+        first = inputs[self.past_names[0]]
+        self.kv_dtype = _ORT_DTYPES.get(first.type, np.float32)
+        self.kv_shape = (1, int(first.shape[1]), 0, int(first.shape[3]))  # [batch, kv_heads, 0, head_dim]
+        self.output_names = ["logits", *self.present_names]
+        self.uses_position_ids = "position_ids" in inputs
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.max_seq_len = int(self.meta.get("max_seq_len", 2048))
+
+    def new_sequence(self) -> "OrtSequence":
+        return OrtSequence(self)
+
+
+def _kv_order(name: str) -> tuple[int, int]:
+    _, layer, kind = name.split(".")  # past_key_values.{i}.key|value
+    return int(layer), 0 if kind == "key" else 1
+
+
+class OrtSequence(EngineSequence):
+    def __init__(self, engine: OrtEngine):
+        super().__init__()
+        self.engine = engine
+        self.kv = [np.zeros(engine.kv_shape, engine.kv_dtype) for _ in engine.past_names]
+
+    def _forward(self, token_ids: list[int]) -> np.ndarray:
+        past_len, new_len = len(self.tokens), len(token_ids)
+        if past_len + new_len > self.engine.max_seq_len:
+            raise EngineError(f"sequence of {past_len + new_len} tokens exceeds the engine's {self.engine.max_seq_len}")
+        feed = {
+            "input_ids": np.asarray([token_ids], dtype=np.int64),
+            "attention_mask": np.ones((1, past_len + new_len), dtype=np.int64),
+            **dict(zip(self.engine.past_names, self.kv)),
+        }
+        if self.engine.uses_position_ids:
+            feed["position_ids"] = np.arange(past_len, past_len + new_len, dtype=np.int64)[None, :]
+        logits, *self.kv = self.engine.session.run(self.engine.output_names, feed)
+        return logits[0]  # [new_len, vocab]
+
+    def _truncate_cache(self, length: int) -> None:
+        self.kv = [np.ascontiguousarray(x[:, :, :length]) for x in self.kv]
+
+
+def optimize_for_cpu(src: Path, dst_dir: Path, *, threads: int = 2) -> Path:
+    """Run ONNX Runtime's graph optimizer once and save the result as the engine artifact.
+
+    ORT_ENABLE_EXTENDED is the highest level whose result can be saved (ENABLE_ALL adds layout
+    transforms that are applied at load time only). Large models keep their weights in an external file.
+    """
+    import onnxruntime as ort
+
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    so = session_options(threads)
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(dst_dir / MODEL_FILE)
+    weights_bytes = sum(p.stat().st_size for p in src.parent.iterdir() if p.is_file())
+    if weights_bytes > 1.8e9:  # protobuf's 2 GB limit
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", MODEL_FILE + ".data")
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    return dst_dir / MODEL_FILE
+
+
+def write_engine_meta(folder: Path, **meta) -> None:
+    (Path(folder) / ENGINE_META).write_text(json.dumps({"backend": "onnxruntime", **meta}, indent=2) + "\n")

@@ -1,0 +1,75 @@
+"""Typed errors. Each carries the numbers that explain it; the CLI prints `str(err)` on one line."""
+
+from __future__ import annotations
+
+
+class SpecpipeError(Exception):
+    """Base class. `exit_code` is what the CLI exits with (2 = usage/setup, 1 = a check failed)."""
+
+    exit_code = 2
+
+
+class UsageError(SpecpipeError):
+    """Bad input from the user: a value out of range, a path that is not what it should be."""
+
+
+class CheckpointError(SpecpipeError):
+    """A checkpoint cannot be resolved, loaded or trusted."""
+
+
+class HubUnavailableError(CheckpointError):
+    """The model hub could not be reached; the user should pass a local path."""
+
+
+class IncompatiblePairError(SpecpipeError):
+    """Draft and target cannot be paired. Lists every problem found, not just the first."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("draft and target are incompatible: " + "; ".join(self.problems))
+
+
+class OutputExistsError(UsageError):
+    """The output exists and --force was not given."""
+
+
+class ExportError(SpecpipeError):
+    """Exporting a checkpoint to an engine failed."""
+
+
+class ExportMismatchError(ExportError):
+    """The engine's logits differ from the torch model's by more than the tolerance."""
+
+    exit_code = 1
+
+    def __init__(self, model: str, max_abs_diff: float, tolerance: float):
+        self.model, self.max_abs_diff, self.tolerance = model, max_abs_diff, tolerance
+        super().__init__(
+            f"{model} engine does not match the torch model: max |logit diff| = {max_abs_diff:.3g}"
+            f" > tolerance {tolerance:.3g}"
+        )
+
+
+class EngineError(SpecpipeError):
+    """An engine folder is missing, corrupt, or cannot run the request."""
+
+
+class AccuracyBudgetError(SpecpipeError):
+    """A quantized engine is over its accuracy budget."""
+
+    exit_code = 1
+
+    def __init__(self, model: str, metric: str, value: float, limit: float, mode: str = ""):
+        self.model, self.metric, self.value, self.limit, self.mode = model, metric, value, limit, mode
+        super().__init__(
+            f"{model} {mode} engine is over its accuracy budget: {metric} = {value:.4g}, limit {limit:.4g}"
+            " (pass --accept-accuracy-loss to keep it anyway)"
+        )
+
+
+class ServerError(SpecpipeError):
+    """The Triton server failed to start, load a model, or answer."""
+
+
+class GateError(SpecpipeError):
+    """The validation gate could not run (bad gate file, unreachable server)."""

@@ -1,0 +1,107 @@
+"""ONNX graph plumbing for quantization: load and save engine graphs, and untie a shared lm_head.
+
+Graphs are the ones optimum exports for `text-generation-with-past`. Quantizers only touch MatMuls whose
+weight is a constant initializer; `untie_lm_head` makes sure the head is one of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+MODEL_FILE = "model.onnx"
+EXTERNAL_DATA_FILE = MODEL_FILE + ".data"
+PROTOBUF_LIMIT = 1_800_000_000  # protobuf refuses messages over 2 GB; keep a margin
+
+
+def load_model(folder: Path):
+    """The graph in `folder`, with its external weights (if any) loaded into memory."""
+    import onnx
+
+    return onnx.load(str(Path(folder) / MODEL_FILE), load_external_data=True)
+
+
+def save_model(model, folder: Path) -> list[Path]:
+    """Write `model` as folder/model.onnx, weights in model.onnx.data when the graph is too big for one file."""
+    import onnx
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    external = model.ByteSize() > PROTOBUF_LIMIT
+    onnx.save_model(
+        model,
+        str(folder / MODEL_FILE),
+        save_as_external_data=external,
+        all_tensors_to_one_file=True,
+        location=EXTERNAL_DATA_FILE,
+        size_threshold=1024,
+    )
+    return model_files(folder)
+
+
+def model_files(folder: Path) -> list[Path]:
+    folder = Path(folder)
+    return [p for p in (folder / MODEL_FILE, folder / EXTERNAL_DATA_FILE) if p.is_file()]
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in model_files(folder))
+
+
+def constant_weight_matmuls(model) -> list[str]:
+    """Names of MatMul nodes whose second input is an initializer: the linear layers (q/k/v/o, MLP, head)."""
+    initializers = {init.name for init in model.graph.initializer}
+    return [node.name for node in model.graph.node if node.op_type == "MatMul" and node.input[1] in initializers]
+
+
+def untie_lm_head(model) -> list[str]:
+    """Give every MatMul that reads a transposed initializer its own constant weight. Returns their names.
+
+    With tied embeddings (SmolLM2 and most small LMs) optimum exports the head as
+    MatMul(hidden, Transpose(embed_tokens.weight)): the weight is computed, so weight-only quantizers
+    skip it ("MatMul doesn't have const weight") and a 113 MB fp32 head stays in a 4-bit model. Folding
+    the Transpose into a new initializer costs one extra copy of the matrix in the fp32 graph, but
+    lets the head be quantized with the rest; the embedding Gather keeps reading the original.
+    """
+    from onnx import numpy_helper
+
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    producers = {out: node for node in graph.node for out in node.output}
+    consumers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers[name] = consumers.get(name, 0) + 1
+
+    untied, dead = [], []
+    for node in graph.node:
+        if node.op_type != "MatMul" or node.input[1] in initializers:
+            continue
+        transpose = producers.get(node.input[1])
+        if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in initializers:
+            continue
+        perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), None)
+        source = numpy_helper.to_array(initializers[transpose.input[0]])
+        weight = np.ascontiguousarray(np.transpose(source, perm))  # perm None = reverse axes, as ONNX says
+        weight_name = f"{node.name.strip('/').replace('/', '.')}.weight_untied"
+        graph.initializer.append(numpy_helper.from_array(weight, weight_name))
+        initializers[weight_name] = graph.initializer[-1]
+        node.input[1] = weight_name
+        untied.append(node.name)
+        consumers[transpose.output[0]] -= 1
+        if consumers[transpose.output[0]] == 0:
+            dead.append(transpose)
+    for transpose in dead:
+        graph.node.remove(transpose)
+    return untied
+
+
+def kv_input_shapes(model) -> dict[str, tuple[int, int]]:
+    """{past_key_values.i.key|value: (num_kv_heads, head_dim)} read from the graph's input declarations."""
+    shapes = {}
+    for graph_input in model.graph.input:
+        if graph_input.name.startswith("past_key_values."):
+            dims = graph_input.type.tensor_type.shape.dim  # [batch, kv_heads, past_len, head_dim]
+            shapes[graph_input.name] = (int(dims[1].dim_value), int(dims[3].dim_value))
+    return shapes

@@ -1,0 +1,63 @@
+"""Counters of one generation, and the conventions behind them.
+
+- drafted: tokens the draft proposed; accepted: drafted tokens the target accepted.
+- acceptance_rate = accepted / drafted (0 when nothing was drafted).
+- per-position acceptance: for position i (0-based) of a draft block, accepted_at[i] / drafted_at[i];
+  a position counts as drafted whenever the draft proposed at least i+1 tokens that step.
+- mean_accepted_len = tokens emitted per target verification step, **including** the one recovered or
+  bonus token (vLLM's convention): target-only decoding has 1.0, a perfect K-token draft has K+1.
+- ttft_ms: request start to the first emitted token; tokens_per_s: generated tokens / total wall time
+  (prefill included); decode_tokens_per_s excludes the time to first token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    target_s: float = 0.0
+
+    def record(self, num_drafted: int, accepted_len: int, num_emitted: int) -> None:
+        self.steps += 1
+        self.drafted += num_drafted
+        self.accepted += accepted_len
+        self.emitted += num_emitted
+        while len(self.drafted_at) < num_drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(num_drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += int(i < accepted_len)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_len": self.mean_accepted_len,
+            "per_position_acceptance": self.per_position_acceptance,
+            "draft_ms": self.draft_s * 1e3,
+            "target_ms": self.target_s * 1e3,
+        }

@@ -1,0 +1,129 @@
+"""Speculative decoding on real (tiny) ONNX Runtime engines: greedy equivalence and exact sampling."""
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from specpipe.config import GenerationConfig, SamplingConfig
+from specpipe.deployment import load_deployment
+from specpipe.spec import SpecStats, verify as verify_module
+from specpipe.spec.sampling import shape_probs
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "Héllo wörld 東京"]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_build):
+    return load_deployment(tiny_build, threads=1)
+
+
+@pytest.fixture(scope="module")
+def self_pair(tiny_self_build):
+    return load_deployment(tiny_self_build, threads=1)
+
+
+def greedy(deployment, prompt, **overrides):
+    cfg = GenerationConfig(max_new_tokens=48, stop_on_eos=False, **overrides)
+    return deployment.generator.generate(prompt, cfg)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_draft_equal_to_target_accepts_everything(self_pair, k):
+    for prompt in PROMPTS:
+        spec = greedy(self_pair, prompt, num_draft_tokens=k)
+        base = greedy(self_pair, prompt, speculative=False)
+        assert spec.token_ids == base.token_ids
+        assert spec.text == base.text
+        assert spec.stats.acceptance_rate == 1.0
+        assert base.stats.drafted == 0 and base.stats.mean_accepted_len == 1.0
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_unrelated_draft_is_still_identical_to_target_only(pair, k):
+    rates = []
+    for prompt in PROMPTS:
+        spec = greedy(pair, prompt, num_draft_tokens=k)
+        base = greedy(pair, prompt, speculative=False)
+        assert spec.token_ids == base.token_ids
+        rates.append(spec.stats.acceptance_rate)
+    assert np.mean(rates) < 0.5  # an unrelated random draft is rarely right
+
+
+def test_eos_and_max_tokens_stop(self_pair):
+    eos = self_pair.generator.decoder.eos_token_ids
+    result = greedy(self_pair, PROMPTS[0], num_draft_tokens=4)
+    assert result.num_generated == 48 or result.token_ids[-1] in eos
+    result = self_pair.generator.generate(PROMPTS[0], GenerationConfig(max_new_tokens=3, num_draft_tokens=5))
+    assert result.num_generated <= 3
+
+
+def test_seeded_sampling_is_reproducible(pair):
+    cfg = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(temperature=0.8, top_p=0.95), seed=7)
+    a = pair.generator.generate(PROMPTS[1], cfg)
+    b = pair.generator.generate(PROMPTS[1], cfg)
+    assert a.token_ids == b.token_ids
+
+
+# --- distribution: speculative sampling reproduces the target's probabilities exactly ---
+
+NUM_SAMPLES = 20_000
+CONTEXT = [5, 17, 42, 99, 7]
+
+
+def chi_square_pvalue(observed: dict[int, int], probs: np.ndarray, min_expected: float = 5.0) -> float:
+    """Goodness of fit of token counts to `probs`; bins with expected count < min_expected are pooled."""
+    total = sum(observed.values())
+    expected = probs * total
+    big = np.flatnonzero(expected >= min_expected)
+    obs = np.array([observed.get(int(t), 0) for t in big], dtype=float)
+    exp = expected[big]
+    rest_obs, rest_exp = total - obs.sum(), total - exp.sum()
+    if rest_exp > 0:
+        obs, exp = np.append(obs, rest_obs), np.append(exp, rest_exp)
+    return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+def sample_first_two(deployment, cfg, n):
+    pairs = []
+    decoder = deployment.generator.decoder
+    for seed in range(n):
+        emitted = [t for step in decoder.decode(CONTEXT, cfg.model_copy(update={"seed": seed}), SpecStats()) for t in step]
+        pairs.append((emitted[0], emitted[1]))
+    return pairs
+
+
+def target_probs(deployment, context, sampling):
+    logits = deployment.target.new_sequence().append(context)[-1]
+    return shape_probs(logits, sampling)[0]
+
+
+def first_and_second_pvalues(deployment, cfg):
+    pairs = sample_first_two(deployment, cfg, NUM_SAMPLES)
+    firsts = [a for a, _ in pairs]
+    p_first = chi_square_pvalue(dict(zip(*np.unique(firsts, return_counts=True))), target_probs(deployment, CONTEXT, cfg.sampling))
+    top_first = max(set(firsts), key=firsts.count)
+    seconds = [b for a, b in pairs if a == top_first]
+    p_second = chi_square_pvalue(
+        dict(zip(*np.unique(seconds, return_counts=True))), target_probs(deployment, CONTEXT + [top_first], cfg.sampling)
+    )
+    return p_first, p_second, len(seconds)
+
+
+SAMPLED = GenerationConfig(max_new_tokens=2, num_draft_tokens=2, stop_on_eos=False, sampling=SamplingConfig(temperature=1.0))
+
+
+def test_sampling_matches_target_distribution(pair):
+    p_first, p_second, n_second = first_and_second_pvalues(pair, SAMPLED)
+    assert n_second > 1000
+    assert p_first > 0.001 and p_second > 0.001
+
+
+def test_chi_square_catches_a_planted_wrong_rule(pair, monkeypatch):
+    """Always accepting the draft emits the draft's distribution: the same test must reject it."""
+
+    def always_accept(draft_tokens, q, p, rng):
+        return verify_module.Verdict(len(draft_tokens), verify_module.sample(p[len(draft_tokens)], rng))
+
+    monkeypatch.setattr("specpipe.spec.decoder.verify_sampled", always_accept)
+    p_first, p_second, _ = first_and_second_pvalues(pair, SAMPLED)
+    assert p_first < 0.001

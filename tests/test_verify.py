@@ -1,0 +1,118 @@
+"""The acceptance rule and sampling transforms on hand-written logits and probabilities."""
+
+import numpy as np
+import pytest
+
+from specpipe.config import SamplingConfig
+from specpipe.spec.sampling import sample, shape_probs
+from specpipe.spec.stats import SpecStats
+from specpipe.spec.verify import verify_greedy, verify_sampled
+
+
+def onehot_logits(rows: list[int], vocab: int = 10) -> np.ndarray:
+    logits = np.zeros((len(rows), vocab), dtype=np.float32)
+    logits[np.arange(len(rows)), rows] = 5.0
+    return logits
+
+
+class TestGreedy:
+    def test_perfect_match_takes_bonus(self):
+        verdict = verify_greedy([3, 4, 5], onehot_logits([3, 4, 5, 6]))
+        assert (verdict.accepted_len, verdict.next_token) == (3, 6)
+        assert verdict.emitted([3, 4, 5]) == [3, 4, 5, 6]
+
+    def test_early_mismatch_recovers_with_target_token(self):
+        verdict = verify_greedy([3, 4, 5], onehot_logits([3, 7, 5, 6]))
+        assert (verdict.accepted_len, verdict.next_token) == (1, 7)
+        assert verdict.emitted([3, 4, 5]) == [3, 7]
+
+    def test_all_rejected(self):
+        verdict = verify_greedy([3, 4, 5], onehot_logits([9, 4, 5, 6]))
+        assert verdict.emitted([3, 4, 5]) == [9]
+
+    def test_no_drafts_is_plain_greedy(self):
+        assert verify_greedy([], onehot_logits([2])).emitted([]) == [2]
+
+
+class TestSampled:
+    def test_point_mass_draft_equal_to_point_mass_target_is_always_accepted(self):
+        p = np.eye(4)[[1, 2, 3]]  # target is certain of 1, 2 then 3
+        verdict = verify_sampled([1, 2], None, p, np.random.default_rng(0))
+        assert verdict.emitted([1, 2]) == [1, 2, 3]
+
+    def test_token_the_target_never_emits_is_always_rejected(self):
+        p = np.array([[0.0, 0.5, 0.5, 0.0], [0.25] * 4])
+        q = np.array([[1.0, 0.0, 0.0, 0.0]])
+        for seed in range(50):
+            verdict = verify_sampled([0], q, p, np.random.default_rng(seed))
+            assert verdict.accepted_len == 0 and verdict.next_token in (1, 2)
+
+    def test_residual_excludes_overdrafted_tokens(self):
+        # p = [.5, .5], q = [.9, .1]: on rejection of token 0 the residual max(0, p - q) is all on token 1.
+        p = np.array([[0.5, 0.5], [0.5, 0.5]])
+        q = np.array([[0.9, 0.1]])
+        rng = np.random.default_rng(0)
+        rejected = [verify_sampled([0], q, p, rng) for _ in range(4000)]
+        assert all(v.next_token == 1 for v in rejected if v.accepted_len == 0)
+        accept_rate = np.mean([v.accepted_len for v in rejected])
+        assert abs(accept_rate - 0.5 / 0.9) < 0.04  # 5 sigma at n=4000
+
+    def test_bonus_token_when_all_accepted(self):
+        p = np.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+        q = np.array([[0.0, 1.0, 0.0]])
+        assert verify_sampled([1], q, p, np.random.default_rng(1)).emitted([1]) == [1, 2]
+
+
+class TestShaping:
+    def test_greedy_is_one_hot(self):
+        probs = shape_probs(np.array([[0.1, 3.0, 0.2]]), SamplingConfig(temperature=0))
+        assert probs.tolist() == [[0.0, 1.0, 0.0]]
+
+    def test_top_k_masks_all_but_k(self):
+        probs = shape_probs(np.array([[1.0, 4.0, 3.0, 2.0]]), SamplingConfig(temperature=1.0, top_k=2))
+        assert probs[0, 0] == 0 and probs[0, 3] == 0 and probs[0, 1] > probs[0, 2] > 0
+        assert probs.sum() == pytest.approx(1.0)
+
+    def test_top_p_keeps_smallest_set_reaching_mass(self):
+        logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
+        probs = shape_probs(logits, SamplingConfig(temperature=1.0, top_p=0.8))
+        np.testing.assert_allclose(probs[0], [0.5 / 0.8, 0.3 / 0.8, 0, 0])
+        probs = shape_probs(logits, SamplingConfig(temperature=1.0, top_p=0.81))
+        assert probs[0, 2] > 0 and probs[0, 3] == 0
+
+    def test_top_p_keeps_at_least_one_token(self):
+        probs = shape_probs(np.array([[5.0, 0.0, 0.0]]), SamplingConfig(temperature=1.0, top_p=0.01))
+        assert probs[0].tolist() == [1.0, 0.0, 0.0]
+
+    def test_temperature_sharpens(self):
+        logits = np.array([[1.0, 2.0]])
+        hot = shape_probs(logits, SamplingConfig(temperature=2.0))[0, 1]
+        cold = shape_probs(logits, SamplingConfig(temperature=0.5))[0, 1]
+        assert cold > hot > 0.5
+
+    def test_sample_follows_distribution(self):
+        rng = np.random.default_rng(0)
+        draws = [sample(np.array([0.2, 0.0, 0.8]), rng) for _ in range(2000)]
+        assert draws.count(1) == 0 and abs(draws.count(2) / 2000 - 0.8) < 0.03
+
+
+def test_stats_conventions():
+    stats = SpecStats()
+    stats.record(num_drafted=4, accepted_len=4, num_emitted=5)  # all accepted + bonus
+    stats.record(num_drafted=4, accepted_len=1, num_emitted=2)  # one accepted + recovered
+    stats.record(num_drafted=0, accepted_len=0, num_emitted=1)  # nothing drafted
+    assert stats.acceptance_rate == 5 / 8
+    assert stats.mean_accepted_len == 8 / 3  # includes the recovered/bonus token
+    assert stats.per_position_acceptance == [1.0, 0.5, 0.5, 0.5]
+
+
+def test_config_rejects_out_of_range_values():
+    from specpipe.config import GenerationConfig, make_config
+    from specpipe.errors import UsageError
+
+    for bad in ({"num_draft_tokens": 0}, {"max_new_tokens": 0}):
+        with pytest.raises(UsageError):
+            make_config(GenerationConfig, **bad)
+    for bad in ({"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}):
+        with pytest.raises(UsageError, match="--"):
+            make_config(SamplingConfig, **bad)
