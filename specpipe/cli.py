@@ -25,6 +25,9 @@ def cli() -> None:
 # ---- commands from other modules (specpipe/commands/<name>.py): one line each ----
 from specpipe.commands.build import build; cli.add_command(build)  # noqa: E402,E702
 from specpipe.commands.generate import generate; cli.add_command(generate)  # noqa: E402,E702
+from specpipe.commands.inspect import inspect; cli.add_command(inspect)  # noqa: E402,E702
+from specpipe.commands.serve import serve; cli.add_command(serve)  # noqa: E402,E702
+from specpipe.commands.validate import validate; cli.add_command(validate)  # noqa: E402,E702
 
 
 def main(argv: list[str] | None = None) -> None:

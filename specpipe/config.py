@@ -77,6 +77,113 @@ class BuildConfig(Strict):
         return v
 
 
+# ---- `specpipe validate`: the gate file (TOML). Every section and key is optional; a missing latency
+# threshold means "report only". The README's "Validation gate" section documents these keys.
+
+_GATE_PROMPTS = [
+    "def fibonacci(n):",
+    "The capital of France is",
+    "Explain what a hash table is in two sentences.",
+    "import numpy as np\n\n",
+    "Once upon a time, in a small village,",
+    "Write a Python function that reverses a string.",
+]
+_GATE_CONTEXTS = ["def add(a, b):\n    return", "The quick brown fox jumps over the"]
+
+
+class GateGreedyConfig(Strict):
+    """Greedy equivalence: speculative token ids == target-only token ids, prompt by prompt."""
+
+    enabled: bool = True
+    max_new_tokens: int = Field(32, ge=1)
+    near_tie_margin: float = Field(
+        1e-3, ge=0, description="a mismatch where the target's top-2 logit margin is below this is a warning, not a failure"
+    )
+
+
+class GateDistributionConfig(Strict):
+    """Distribution equivalence: the first two emitted tokens follow the target's exact p (chi-square)."""
+
+    enabled: bool = True
+    contexts: list[str] = Field(default_factory=lambda: list(_GATE_CONTEXTS), min_length=1)
+    temperatures: list[float] = Field(default_factory=lambda: [1.0, 0.7], min_length=1)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    draft_lengths: list[int] = Field(
+        default_factory=lambda: [1, 2], min_length=1,
+        description="K per sample, round robin: K=1 puts the bonus token at position 2, K=2 a second draft",
+    )
+    tv: float = Field(0.05, gt=0.0, lt=1.0, description="total-variation error the test must detect")
+    alpha: float = Field(1e-3, gt=0.0, lt=1.0, description="family-wise false-alarm rate (Bonferroni over all tests)")
+    power: float = Field(0.99, gt=0.0, lt=1.0, description="probability of detecting an error of size tv")
+    min_expected: float = Field(5.0, gt=0.0, description="bins expecting fewer samples are pooled")
+    max_samples: int = Field(60000, ge=10, description="cap on in-process samples per (context, temperature)")
+    server_samples: int = Field(1500, ge=10, description="samples per (context, temperature) through a server")
+    planted_replicates: int = Field(200, ge=1, description="replicates of the planted wrong sampler")
+    planted_power_min: float = Field(0.9, gt=0.0, le=1.0, description="share of planted replicates that must fail")
+    seed: int = 0
+
+    @field_validator("temperatures")
+    @classmethod
+    def _positive_temperatures(cls, v: list[float]) -> list[float]:
+        if any(t <= 0 for t in v):
+            raise ValueError("temperatures must be > 0 (greedy decoding is the greedy check's job)")
+        return v
+
+    @field_validator("draft_lengths")
+    @classmethod
+    def _positive_draft_lengths(cls, v: list[int]) -> list[int]:
+        if any(k < 1 for k in v):
+            raise ValueError("draft_lengths must be >= 1")
+        return v
+
+
+class GateQuantizationConfig(Strict):
+    """Quantization accuracy (keys as in AccuracyBudget). A budget left out is the one the build recorded."""
+
+    enabled: bool = True
+    max_ppl_increase: Optional[float] = Field(None, ge=0.0, description="relative perplexity increase, 0.05 = +5%")
+    min_top1_agreement: Optional[float] = Field(None, ge=0.0, le=1.0)
+    max_mean_kl: Optional[float] = Field(None, gt=0.0, description="mean KL(unquantized || quantized), nats")
+
+
+class GateLatencyConfig(Strict):
+    """Latency and speed SLOs. Each threshold left out (None) is reported, not enforced."""
+
+    enabled: bool = True
+    concurrency: int = Field(2, ge=1, description="requests in flight at once")
+    requests: int = Field(8, ge=1, description="measured requests per configuration (speculative, target-only)")
+    warmup_requests: int = Field(2, ge=0, description="requests run first and not measured")
+    max_new_tokens: int = Field(64, ge=2)
+    ttft_ms_p50_max: Optional[float] = Field(None, gt=0.0)
+    ttft_ms_p95_max: Optional[float] = Field(None, gt=0.0)
+    itl_ms_p50_max: Optional[float] = Field(None, gt=0.0)
+    itl_ms_p95_max: Optional[float] = Field(None, gt=0.0)
+    tokens_per_s_min: Optional[float] = Field(None, gt=0.0)
+    speedup_min: Optional[float] = Field(None, gt=0.0)
+    acceptance_rate_min: Optional[float] = Field(None, ge=0.0, le=1.0)
+
+
+class GateRobustnessConfig(Strict):
+    """Bad requests are refused with clear errors and the server still answers (server modes only)."""
+
+    enabled: bool = True
+
+
+class GateConfig(Strict):
+    """A gate file: `specpipe validate --gate FILE`. GateConfig() is the default gate."""
+
+    prompts: list[str] = Field(default_factory=lambda: list(_GATE_PROMPTS), min_length=1,
+                               description="prompts of the greedy and latency checks")
+    chat: bool = Field(False, description="apply the tokenizer's chat template to prompts and contexts")
+    num_draft_tokens: int = Field(4, ge=1, description="K of the greedy and latency checks")
+    greedy: GateGreedyConfig = Field(default_factory=GateGreedyConfig)
+    distribution: GateDistributionConfig = Field(default_factory=GateDistributionConfig)
+    quantization: GateQuantizationConfig = Field(default_factory=GateQuantizationConfig)
+    latency: GateLatencyConfig = Field(default_factory=GateLatencyConfig)
+    robustness: GateRobustnessConfig = Field(default_factory=GateRobustnessConfig)
+
+
 def make_config(model: type[BaseModel], **values):
     """Build a config model; a validation failure becomes one UsageError line naming the CLI option."""
     from pydantic import ValidationError
@@ -148,7 +255,7 @@ class QuantConfig(Strict):
     group_size: int = Field(32, ge=16, description="weight-only: weights per quantization group (power of 2, >= 16)")
     calib_prompts: Optional[Path] = Field(None, description="JSONL with {\"prompt\": ...} lines; None = the packaged set")
     calib_size: int = Field(64, ge=1, description="calibration prompts used for int8 / fp8")
-    calib_max_tokens: int = Field(256, ge=8, description="longest calibration sequence, in tokens")
+    calib_window: int = Field(128, ge=8, description="tokens per calibration run (prompts are packed into windows)")
     smooth_quant: bool = Field(False, description="int8: SmoothQuant smoothing before quantizing (needs neural-compressor)")
     kv_cache_dtype: KvCacheDtype = Field("auto", description="KV cache precision; fp8/int8 need an engine that stores it so")
     budget: AccuracyBudget = Field(default_factory=AccuracyBudget)
@@ -164,3 +271,48 @@ class QuantConfig(Strict):
     @property
     def needs_calibration(self) -> bool:
         return self.mode in ("int8", "fp8")
+
+
+# ---- GPU backends (`specpipe build --backend tensorrt|trtllm`): what specpipe.gpu.make_plan plans.
+# Upstream names (trtllm-build flags, quantize.py qformats, tensorrtllm_backend parameters) are looked
+# up in specpipe/gpu/upstream.py; these fields are specpipe's own vocabulary.
+
+GpuBackend = Literal["tensorrt", "trtllm"]
+
+
+class GpuBuildConfig(Strict):
+    """A draft/target pair -> GPU engines and their Triton repository, planned first, built where CUDA is."""
+
+    target: str
+    draft: str
+    backend: GpuBackend = Field("trtllm", description="tensorrt: ONNX -> TensorRT engines; trtllm: TensorRT-LLM")
+    trtllm_flow: Literal["engine", "llmapi"] = Field(
+        "engine",
+        description="engine: convert/quantize + trtllm-build + tensorrtllm_backend (pinned TensorRT-LLM); "
+        "llmapi: LLM API (DraftTargetDecodingConfig) served by Triton's llmapi model, the forward path",
+    )
+    name: Optional[str] = Field(None, description="default: derived from the pair")
+    engines_dir: Path = Path("engines")
+    repo_dir: Optional[Path] = Field(Path("triton_repo"), description="Triton model repository to write; None = none")
+    quant: QuantMode = Field("none", description="target weights/activations")
+    draft_quant: QuantMode = Field("none", description="draft weights/activations")
+    kv_cache_dtype: KvCacheDtype = Field("auto", description="KV cache precision; auto = the model dtype")
+    dtype: Literal["float16", "bfloat16"] = Field("float16", description="precision of everything not quantized")
+    tp_size: int = Field(1, ge=1, description="tensor parallel GPUs for the target")
+    draft_tp_size: int = Field(1, ge=1, description="tensor parallel GPUs for the draft")
+    draft_placement: Literal["shared", "separate"] = Field(
+        "shared", description="shared: the draft runs on the target's first GPU; separate: on its own GPU(s)"
+    )
+    gpu_memory_gb: Optional[float] = Field(None, gt=0, description="memory of one GPU (GB = 1e9 bytes); checks the plan fits")
+    max_draft_len: int = Field(8, ge=1, le=64, description="largest K the engines are built for")
+    max_batch_size: int = Field(8, ge=1, description="requests scheduled at once (engines and Triton)")
+    max_input_len: int = Field(2048, ge=1, description="longest prompt, tokens")
+    max_seq_len: Optional[int] = Field(None, ge=2, description="prompt + output tokens; None = the target's context, at most 8192")
+    kv_cache_free_gpu_mem_fraction: Optional[float] = Field(
+        None, gt=0, le=1, description="share of free GPU memory for each model's KV cache; None = 0.9, or 0.45 when sharing a GPU"
+    )
+    calib_size: int = Field(512, ge=1, description="calibration samples for ModelOpt quantization (fp8, int8, int4-wo)")
+    trtllm_checkout: Path = Field(
+        Path("TensorRT-LLM"), description="checkout of NVIDIA/TensorRT-LLM at the pinned tag (examples/, triton_backend/)"
+    )
+    dry_run: bool = Field(False, description="print the plan and write the Triton repository; run no GPU step")

@@ -73,3 +73,13 @@ class ServerError(SpecpipeError):
 
 class GateError(SpecpipeError):
     """The validation gate could not run (bad gate file, unreachable server)."""
+
+
+class GateFailedError(SpecpipeError):
+    """The validation gate ran and at least one check failed; the report has the numbers."""
+
+    exit_code = 1
+
+    def __init__(self, failed_checks: list[str], report_path: str):
+        self.failed_checks, self.report_path = list(failed_checks), report_path
+        super().__init__(f"gate failed: {', '.join(self.failed_checks)} (report: {report_path})")

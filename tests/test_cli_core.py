@@ -21,9 +21,11 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
 def assert_one_line_error(code, err, *needles):
     assert code != 0
     lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
+    errors = [line for line in lines if line.startswith("error:")]
+    # progress lines may precede it; the reason is one line, the last, and there is no traceback
+    assert len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in err, err
     for needle in needles:
-        assert needle in lines[0], lines[0]
+        assert needle in errors[0], errors[0]
 
 
 def test_generate_json_has_the_fields(capsys, tiny_build):

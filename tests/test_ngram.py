@@ -220,3 +220,23 @@ def test_the_distribution_test_catches_a_planted_wrong_rule(bigram_target, monke
     decoder = SpeculativeDecoder(bigram_target, NgramDrafter())
     samples = first_two_tokens(decoder, CONTEXT, SAMPLED, RUNS)
     assert min(_distribution_p_values(samples, bigram_target)) < 1e-3
+
+
+# ---- on real (tiny) ONNX Runtime engines ----
+
+
+def test_greedy_equivalence_on_tiny_onnx_engines(tiny_build):
+    from specpipe.deployment import load_deployment
+    from specpipe.spec.generator import SpecGenerator
+
+    deployment = load_deployment(tiny_build, threads=1)
+    lookup = SpecGenerator(deployment.target, NgramDrafter(), deployment.tokenizer, deployment.manifest["eos_token_ids"])
+    drafted = 0
+    for prompt in ["def add(a, b):\n    return a + b\n\ndef add(", "The quick brown fox. The quick brown", "Héllo wörld"]:
+        base = deployment.generator.generate(prompt, GenerationConfig(max_new_tokens=48, speculative=False, stop_on_eos=False))
+        for draft_cfg in [{"draft_length": "fixed", "num_draft_tokens": 1}, {"draft_length": "fixed", "num_draft_tokens": 5},
+                          {}]:
+            spec = lookup.generate(prompt, GenerationConfig(max_new_tokens=48, stop_on_eos=False, **draft_cfg))
+            assert spec.token_ids == base.token_ids and spec.text == base.text
+            drafted += spec.stats.drafted
+    assert drafted > 0

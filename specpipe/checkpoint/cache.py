@@ -40,6 +40,9 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the finished folder is an ordinary one
     try:
         yield tmp
         try:

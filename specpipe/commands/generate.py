@@ -18,8 +18,9 @@ from specpipe.errors import UsageError
 @click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to the prompt.")
 @click.option("--max-tokens", type=int, default=field_default(GenerationConfig, "max_new_tokens"), show_default=True,
               help="Maximum new tokens.")
-@click.option("--num-draft-tokens", "-k", type=int, default=field_default(GenerationConfig, "num_draft_tokens"),
-              show_default=True, help="K: tokens drafted per step.")
+@click.option("--num-draft-tokens", "-k", type=int, default=None,
+              help=f"Fix K, the tokens drafted per step. Default: adaptive K, starting at "
+                   f"{field_default(GenerationConfig, 'num_draft_tokens')}.")
 @click.option("--no-speculative", is_flag=True, help="Target alone on the same engine (the baseline).")
 @click.option("--temperature", type=float, default=field_default(SamplingConfig, "temperature"), show_default=True,
               help="0 = greedy.")
@@ -35,7 +36,8 @@ def generate(engine_dir: Optional[Path], prompt, chat, max_tokens, num_draft_tok
              top_p, seed, stop, threads, url, stream, as_json) -> None:
     """Generate text with speculative decoding from ENGINE_DIR (engines/NAME) or a server (--url)."""
     sampling = make_config(SamplingConfig, temperature=temperature, top_k=top_k, top_p=top_p)
-    cfg = make_config(GenerationConfig, sampling=sampling, max_new_tokens=max_tokens, num_draft_tokens=num_draft_tokens,
+    fixed_k = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens, "draft_length": "fixed"}
+    cfg = make_config(GenerationConfig, sampling=sampling, max_new_tokens=max_tokens, **fixed_k,
                       speculative=not no_speculative, stop=list(stop), seed=seed)
     if (engine_dir is None) == (url is None):
         raise UsageError("give either ENGINE_DIR or --url")

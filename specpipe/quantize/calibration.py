@@ -68,7 +68,7 @@ def encode_prompts(tokenizer, prompts: Sequence[str], *, max_tokens: int, chat: 
 
 
 def calibration_batches(tokenizer, cfg: QuantConfig) -> list[list[int]]:
-    return encode_prompts(tokenizer, calibration_prompts(cfg), max_tokens=cfg.calib_max_tokens)
+    return encode_prompts(tokenizer, calibration_prompts(cfg), max_tokens=cfg.calib_window)
 
 
 def evaluation_batches(tokenizer, cfg: QuantConfig, *, max_tokens: int = 256) -> list[list[int]]:
@@ -93,18 +93,30 @@ def prefill_feed(token_ids: Sequence[int], kv_shapes: dict[str, tuple[int, int]]
     return feed
 
 
+def pack_windows(token_batches: Sequence[Sequence[int]], window: int) -> list[list[int]]:
+    """Concatenate the sequences and cut the stream into windows of equal length (the remainder is dropped).
+
+    ORT's histogram calibrators (Distribution, Entropy, Percentile) stack each tensor's values across
+    runs and fail on ragged shapes, so every calibration run gets the same number of tokens.
+    Example: lengths [5, 3, 4], window 4 -> stream of 12 -> windows [0:4], [4:8], [8:12].
+    """
+    stream = [int(t) for ids in token_batches for t in ids]
+    window = min(window, len(stream))
+    return [stream[start : start + window] for start in range(0, len(stream) - window + 1, window)] if window else []
+
+
 class KvCalibrationReader:
-    """onnxruntime.quantization CalibrationDataReader over token batches, with zero-length past inputs.
+    """onnxruntime.quantization CalibrationDataReader over token windows, with zero-length past inputs.
 
     Subclassing CalibrationDataReader is not needed (it checks for `get_next`), which keeps
     onnxruntime.quantization out of the import path of this module.
     """
 
-    def __init__(self, model, token_batches: Sequence[Sequence[int]]):
+    def __init__(self, model, token_batches: Sequence[Sequence[int]], *, window: int):
         graph_inputs = {graph_input.name for graph_input in model.graph.input}
         self._kv_shapes = kv_input_shapes(model)
         self._drop = {"position_ids"} - graph_inputs  # some exports have no position_ids input
-        self._batches = [list(b) for b in token_batches if len(b) > 0]
+        self._batches = pack_windows(token_batches, window)
         self._next = 0
 
     def get_next(self) -> dict | None:

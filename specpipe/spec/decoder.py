@@ -48,6 +48,8 @@ class SpeculativeDecoder:
             t1 = time.perf_counter()
 
             # 2. Verify: one target call on [last context token, x_1..x_k] gives p for K+1 positions.
+            #    (The cache may already hold the last context token, if it equals a rejected draft: drop it.)
+            target.truncate(min(len(target), len(context) - 1))
             target_logits = target.sync(context + proposal.tokens)[-(len(proposal.tokens) + 1) :]
             t2 = time.perf_counter()
 

@@ -19,13 +19,17 @@ from specpipe.spec.stats import SpecStats
 
 def first_two_tokens(decoder: SpeculativeDecoder, context: Sequence[int], cfg: GenerationConfig, runs: int) -> np.ndarray:
     """[runs, 2]: the first two tokens emitted after `context`, one seeded request per run (seeds 0..runs-1)."""
-    cfg = cfg.model_copy(update={"max_new_tokens": 2, "stop_on_eos": False})
+    # Room for a whole first draft: the decoder never drafts more than it may emit.
+    longest = max(cfg.num_draft_tokens, cfg.max_draft_tokens) + 2
+    cfg = cfg.model_copy(update={"max_new_tokens": longest, "stop_on_eos": False})
     out = np.empty((runs, 2), dtype=np.int64)
     for seed in range(runs):
         cfg.seed = seed
         emitted: list[int] = []
         for tokens in decoder.decode(list(context), cfg, SpecStats()):
             emitted += tokens
+            if len(emitted) >= 2:
+                break
         out[seed] = emitted[:2]
     return out
 

@@ -1,0 +1,55 @@
+"""`specpipe serve REPO`: run a real Triton Inference Server on a model repository until Ctrl-C / SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from specpipe.config import field_default, field_help, make_config
+from specpipe.errors import ServerError
+from specpipe.triton.server import ServerConfig, TritonServer
+
+
+def _option(name: str, flag: str, type_, **kwargs):
+    return click.option(flag, name, type=type_, default=field_default(ServerConfig, name), show_default=True,
+                        help=kwargs.pop("help", field_help(ServerConfig, name)), **kwargs)
+
+
+@click.command()
+@click.argument("repo", type=click.Path(path_type=Path))
+@_option("grpc_port", "--grpc-port", int, help="gRPC port (what `specpipe generate --url` talks to).")
+@_option("http_port", "--http-port", int, help="HTTP port (health: /v2/health/ready).")
+@_option("metrics_port", "--metrics-port", int, help="Prometheus metrics port (/metrics).")
+@_option("host", "--host", str)
+@_option("ready_timeout_s", "--timeout", float)
+@click.option("--log-file", type=click.Path(path_type=Path), default=None,
+              help="Write the server's log here [default: a temp file, printed at start].")
+def serve(repo: Path, grpc_port, http_port, metrics_port, host, ready_timeout_s, log_file: Optional[Path]) -> None:
+    """Serve the Triton model repository REPO (written by `specpipe build`) with tritonserver."""
+    cfg = make_config(ServerConfig, host=host, grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port,
+                      ready_timeout_s=ready_timeout_s)
+    server = TritonServer(repo, cfg, log_path=log_file)
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt  # SIGTERM takes the same orderly path as Ctrl-C
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        server.start()
+        click.echo(f"starting {server.install.binary} ({server.install.source}); log: {server.log_path}", err=True)
+        ready_s = server.wait_ready()
+        models = sorted(p.name for p in server.repo.iterdir() if p.is_dir() and not p.name.startswith("."))
+        click.echo(f"ready in {ready_s:.1f} s: models {', '.join(models)}; gRPC {server.url}, HTTP {server.http_url}, "
+                   f"metrics {server.metrics_url}. Ctrl-C stops.", err=True)
+        code = server.process.wait()
+        raise ServerError(f"tritonserver exited with code {code}: {server.failure_reason()}")
+    except KeyboardInterrupt:
+        click.echo("stopping tritonserver ...", err=True)
+        code = server.stop()
+        click.echo(f"stopped (exit code {code})", err=True)
+    finally:
+        server.stop()
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,221 @@
+"""Teacher data: token sequences with the target's next-token distribution at every position, kept as top-k.
+
+The target answers training prompts (greedy first, sampled once the prompts run out); the logits it
+computes while generating are exactly the teacher's distributions along its own answers, so they are
+kept (top-k log-probabilities) and no second teacher pass is needed. Epochs over the data are then
+cheap: the target is never run during training.
+
+Data is written in shards to a cache folder keyed by the target's weights and the generation settings,
+so an interrupted run resumes generating where it stopped and a rerun reuses what exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+
+SHARD_GLOB = "shard-*.pt"
+META = "meta.json"
+
+
+@dataclass
+class TeacherSequence:
+    """One training sequence. Row t of top_ids/top_logprobs is the target's distribution over token t+1."""
+
+    token_ids: torch.Tensor  # [T] int64
+    top_ids: torch.Tensor  # [T-1, k] int32, most likely first
+    top_logprobs: torch.Tensor  # [T-1, k] float16, log p (full-vocabulary softmax)
+    prompt_len: int  # tokens before the answer (chat template + prompt); 0 for plain text
+    kind: str  # "code" | "chat" | "stdlib" | "custom"
+
+    def __len__(self) -> int:
+        return int(self.token_ids.numel())
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("token_ids", "top_ids", "top_logprobs", "prompt_len", "kind")}
+
+
+class TeacherCache:
+    """A folder of shards plus meta.json ({"key": settings, "seconds": generation time so far, ...})."""
+
+    def __init__(self, folder: Path, key: dict):
+        self.folder = Path(folder)
+        self.key = key
+        self.folder.mkdir(parents=True, exist_ok=True)
+        meta_path = self.folder / META
+        self.meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {"key": key, "seconds": 0.0, "answered": 0}
+
+    @classmethod
+    def for_settings(cls, root: Path, key: dict) -> "TeacherCache":
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        return cls(Path(root) / digest, key)
+
+    @property
+    def seconds(self) -> float:
+        return float(self.meta["seconds"])
+
+    @property
+    def answered(self) -> int:
+        return int(self.meta["answered"])
+
+    def load(self) -> list[TeacherSequence]:
+        sequences = []
+        for shard in sorted(self.folder.glob(SHARD_GLOB)):
+            sequences += [TeacherSequence(**item) for item in torch.load(shard, weights_only=True)]
+        return sequences
+
+    def append(self, sequences: list[TeacherSequence], seconds: float, answered: int) -> None:
+        """Write one shard, then the meta that counts it (a crash between the two loses nothing but time)."""
+        index = len(list(self.folder.glob(SHARD_GLOB)))
+        tmp = self.folder / f".shard-{index:05d}.tmp"
+        torch.save([s.to_dict() for s in sequences], tmp)
+        tmp.rename(self.folder / f"shard-{index:05d}.pt")
+        self.meta.update(seconds=self.seconds + seconds, answered=self.answered + answered)
+        (self.folder / META).write_text(json.dumps(self.meta, indent=1))
+
+
+def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] -> (ids int32 [..., k], log-probs float16 [..., k])."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = logprobs.topk(k, dim=-1)
+    return ids.to(torch.int32), values.to(torch.float16)
+
+
+@torch.inference_mode()
+def answer_prompts(
+    model,
+    prompt_ids: list[list[int]],
+    *,
+    kinds: list[str],
+    max_new_tokens: int,
+    eos_token_ids: set[int],
+    pad_token_id: int,
+    top_k: int,
+    temperature: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+) -> list[TeacherSequence]:
+    """Let the target answer a batch of prompts (left-padded, KV cache), keeping its top-k at every position.
+
+    temperature 0 = greedy. Rows that finished keep stepping on pad tokens (ignored) until all are done.
+    """
+    batch = len(prompt_ids)
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((batch, width), dtype=torch.long)
+    for row, ids in enumerate(prompt_ids):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        mask[row, width - len(ids) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    cache, logits = out.past_key_values, out.logits[:, -1]
+    prompt_tops = [_top_k(out.logits[row, width - len(ids) :], top_k) for row, ids in enumerate(prompt_ids)]
+    del out
+
+    answers: list[list[int]] = [[] for _ in range(batch)]
+    answer_tops: list[list[tuple]] = [[] for _ in range(batch)]
+    done = torch.zeros(batch, dtype=torch.bool)
+    next_pos = positions[:, -1] + 1
+    for _ in range(max_new_tokens):
+        ids, logprobs = _top_k(logits, top_k)
+        if temperature > 0:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        else:
+            tokens = logits.argmax(-1)
+        for row in range(batch):
+            if done[row]:
+                continue
+            answer_tops[row].append((ids[row], logprobs[row]))
+            answers[row].append(int(tokens[row]))
+            if int(tokens[row]) in eos_token_ids:
+                done[row] = True
+        if bool(done.all()):
+            break
+        tokens = torch.where(done, torch.full_like(tokens, pad_token_id), tokens)
+        mask = torch.cat([mask, (~done).long()[:, None]], dim=1)
+        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                    past_key_values=cache, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1]
+        next_pos = next_pos + 1
+
+    sequences = []
+    for row, ids in enumerate(prompt_ids):
+        answer = answers[row]
+        # Rows predicting tokens 1..T-1: prompt rows 0..P-1 (the last one predicts the first answer token),
+        # then answer rows for answer tokens 2..; the row after the final token predicts nothing we keep.
+        top_ids = torch.cat([prompt_tops[row][0]] + [t[0][None] for t in answer_tops[row][1:]])
+        top_lp = torch.cat([prompt_tops[row][1]] + [t[1][None] for t in answer_tops[row][1:]])
+        token_ids = torch.tensor(ids + answer, dtype=torch.long)
+        sequences.append(TeacherSequence(token_ids, top_ids[: len(token_ids) - 1], top_lp[: len(token_ids) - 1],
+                                         len(ids), kinds[row]))
+    return sequences
+
+
+@torch.inference_mode()
+def label_text(model, token_ids: list[int], *, top_k: int, kind: str) -> TeacherSequence:
+    """Teacher distributions along a given text (no generation): one forward pass."""
+    ids = torch.tensor(token_ids, dtype=torch.long)[None]
+    logits = model(input_ids=ids).logits[0, :-1]
+    top_ids, top_lp = _top_k(logits, top_k)
+    return TeacherSequence(ids[0], top_ids, top_lp, 0, kind)
+
+
+def stdlib_windows(tokenizer, *, window: int, seed: int) -> Iterable[list[int]]:
+    """Windows of `window` tokens from the Python standard library's own source (always there, offline)."""
+    stdlib = Path(sys.modules["os"].__file__).parent
+    files = sorted(p for p in stdlib.glob("*.py") if p.stat().st_size > 2000)
+    random.Random(seed).shuffle(files)
+    for path in files:
+        ids = tokenizer(path.read_text(errors="replace"))["input_ids"]
+        for start in range(0, max(1, len(ids) - window), window * 4):  # every 4th window: spread over files
+            chunk = ids[start : start + window]
+            if len(chunk) >= window // 2:
+                yield chunk
+
+
+def generate_teacher_data(
+    model,
+    tokenizer,
+    cache: TeacherCache,
+    prompts: list[dict],
+    *,
+    budget_s: float,
+    batch_size: int,
+    max_new_tokens: int,
+    eos_token_ids: set[int],
+    top_k: int,
+    sample_temperature: float,
+    seed: int,
+    on_batch: Callable[[int, float], None] = lambda tokens, seconds: None,
+) -> None:
+    """Answer prompts in order until the cache's generation time reaches `budget_s`.
+
+    The first pass over the prompt list is greedy (what the benchmark decodes); later passes sample at
+    `sample_temperature`, so extra budget still adds new, varied answers. A cache that has already spent
+    the budget is used as it is.
+    """
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_token_ids)
+    while cache.seconds < budget_s:
+        start = cache.answered
+        round_index, offset = divmod(start, len(prompts))
+        chosen = prompts[offset : offset + batch_size]
+        ids = [tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
+                                             tokenize=True) for p in chosen]
+        generator = torch.Generator().manual_seed(seed * 100003 + start)
+        t0 = time.perf_counter()
+        sequences = answer_prompts(
+            model, ids, kinds=[p["kind"] for p in chosen], max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+            pad_token_id=pad, top_k=top_k, temperature=0.0 if round_index == 0 else sample_temperature,
+            generator=generator,
+        )
+        seconds = time.perf_counter() - t0
+        cache.append(sequences, seconds, len(chosen))
+        on_batch(sum(len(s) - s.prompt_len for s in sequences), seconds)

@@ -1,0 +1,246 @@
+"""Distillation training: the draft learns the target's next-token distribution from cached teacher top-k.
+
+Loss at a position (Hinton-style soft cross-entropy, equal to KL(p || q) up to a constant):
+    - sum_{j in top-k} p_j log q_C(j)
+where p is the target's top-k distribution (renormalized) and q_C the draft's softmax over a candidate
+set C rather than all V tokens: every token in the batch's teacher top-k plus `negatives` tokens drawn
+uniformly. The V-way head is the costliest part of a small draft's step, and C is a few thousand wide,
+so each step is several times cheaper, while every token a teacher ever ranks high is scored.
+
+The learning rate follows the clock: linear warm-up, then cosine decay over the time budget, so a run
+with --minutes M ends annealed whatever the machine's speed. Training state is saved every N steps so a
+stopped run continues with --resume.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from specpipe.distill.teacher import TeacherSequence
+
+# Prompt positions teach the draft to read prompts, but it never has to predict them while drafting:
+# they count for a fifth of an answer position.
+PROMPT_LOSS_WEIGHT = 0.2
+WARMUP_STEPS = 20
+FINAL_LR_FRACTION = 0.05
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    elapsed_s: float = 0.0
+    tokens_seen: int = 0
+    epoch: int = 0
+    cursor: int = 0  # batches of the current epoch already used
+    recent_loss: float = float("nan")
+    recent_agreement: float = float("nan")
+    history: list = field(default_factory=list)  # (step, elapsed_s, loss, agreement)
+
+
+@dataclass
+class StepReport:
+    step: int
+    elapsed_s: float
+    budget_s: float
+    loss: float
+    agreement: float  # share of positions where the draft's top candidate is the target's top-1
+    tokens_per_s: float
+
+
+def _batches(sequences: list[TeacherSequence], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Shuffle, then sort windows of 64 sequences by length and cut them into batches of about
+    `batch_tokens` padded tokens: little padding, random batch composition."""
+    order = list(range(len(sequences)))
+    rng.shuffle(order)
+    batches = []
+    for start in range(0, len(order), 64):
+        window = sorted(order[start : start + 64], key=lambda i: len(sequences[i]))
+        current: list[int] = []
+        for index in window:
+            longest = max([len(sequences[i]) for i in current] + [len(sequences[index])])
+            if current and longest * (len(current) + 1) > batch_tokens:
+                batches.append(current)
+                current = []
+            current.append(index)
+        if current:
+            batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def _collate(sequences: list[TeacherSequence], prefix_len: int):
+    """Right-padded batch: input ids [B, T], attention mask [B, T], teacher ids/log-probs [B, T-1, k],
+    loss weights [B, T-1] (0 on padding and on the shared chat-template prefix)."""
+    width = max(len(s) for s in sequences)
+    k = sequences[0].top_ids.shape[1]
+    batch = len(sequences)
+    input_ids = torch.zeros((batch, width), dtype=torch.long)
+    mask = torch.zeros((batch, width), dtype=torch.long)
+    top_ids = torch.zeros((batch, width - 1, k), dtype=torch.long)
+    top_lp = torch.full((batch, width - 1, k), -1e4, dtype=torch.float32)
+    weights = torch.zeros((batch, width - 1))
+    for row, seq in enumerate(sequences):
+        n = len(seq)
+        input_ids[row, :n] = seq.token_ids
+        mask[row, :n] = 1
+        top_ids[row, : n - 1] = seq.top_ids.long()
+        top_lp[row, : n - 1] = seq.top_logprobs.float()
+        # Row t predicts token t+1; answer rows start at prompt_len - 1.
+        weights[row, : n - 1] = 1.0
+        answer_start = max(seq.prompt_len - 1, 0)
+        weights[row, :answer_start] = PROMPT_LOSS_WEIGHT
+        weights[row, : min(prefix_len, answer_start)] = 0.0
+    return input_ids, mask, top_ids, top_lp, weights
+
+
+def shared_prefix_len(sequences: list[TeacherSequence]) -> int:
+    """Tokens every prompted sequence starts with (the chat template's system part): nothing to learn there."""
+    prompted = [s.token_ids for s in sequences if s.prompt_len > 0]
+    if len(prompted) < 2:
+        return 0
+    first = prompted[0]
+    length = min(len(s) for s in prompted)
+    for other in prompted[1:]:
+        same = (other[:length] == first[:length]).long()
+        length = int(same.cumprod(0).sum())
+    return length
+
+
+def distill_loss(hidden: torch.Tensor, head: torch.Tensor, top_ids: torch.Tensor, top_lp: torch.Tensor,
+                 weights: torch.Tensor, negatives: int, generator: torch.Generator) -> tuple[torch.Tensor, float]:
+    """Soft cross-entropy against the teacher over a candidate set; returns (loss, top-1 agreement).
+
+    hidden [N, H] (positions with weight > 0), head [V, H], top_ids [N, k], top_lp [N, k], weights [N].
+    """
+    vocab = head.shape[0]
+    negative_ids = torch.randint(0, vocab, (negatives,), generator=generator) if negatives > 0 else top_ids.new_zeros(0)
+    if negatives >= vocab:
+        candidates = torch.arange(vocab)
+    else:
+        candidates = torch.unique(torch.cat([top_ids.flatten(), negative_ids]))  # sorted
+    logits = hidden @ head[candidates].T  # [N, C]
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    columns = torch.searchsorted(candidates, top_ids)  # [N, k]: where each teacher token sits in C
+    p = torch.softmax(top_lp, dim=-1)  # renormalized over the top-k
+    per_position = -(p * log_q.gather(1, columns)).sum(-1)
+    loss = (per_position * weights).sum() / weights.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        agreement = float((candidates[logits.argmax(-1)] == top_ids[:, 0]).float().mean())
+    return loss, agreement
+
+
+def lr_at(state: TrainState, budget_s: float, peak_lr: float) -> float:
+    if state.step < WARMUP_STEPS:
+        return peak_lr * (state.step + 1) / WARMUP_STEPS
+    progress = min(1.0, state.elapsed_s / budget_s)
+    return peak_lr * (FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Trainer:
+    def __init__(self, student, sequences: list[TeacherSequence], *, budget_s: float, lr: float, batch_tokens: int,
+                 negatives: int, seed: int, state_path: Path, checkpoint_every: int, bf16: bool = True):
+        if not sequences:
+            raise ValueError("no teacher data to train on")
+        self.student, self.sequences = student, sequences
+        self.budget_s, self.peak_lr, self.batch_tokens, self.negatives = budget_s, lr, batch_tokens, negatives
+        self.seed, self.state_path, self.checkpoint_every = seed, Path(state_path), checkpoint_every
+        # bf16 matmuls (AVX512-BF16 on this CPU) roughly double training speed; master weights stay fp32.
+        self.bf16 = bf16
+        self.prefix_len = shared_prefix_len(sequences)
+        self.optimizer = torch.optim.AdamW(student.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+        self.state = TrainState()
+        self.generator = torch.Generator().manual_seed(seed)
+        self._epoch_batches = _batches(sequences, batch_tokens, random.Random(seed))
+
+    # ---- restartable state ----
+    def save(self) -> None:
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        torch.save({"model": self.student.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "state": self.state.__dict__, "generator": self.generator.get_state()}, tmp)
+        tmp.rename(self.state_path)
+
+    def load(self) -> None:
+        saved = torch.load(self.state_path, weights_only=False)
+        self.student.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.state = TrainState(**saved["state"])
+        self.generator.set_state(saved["generator"])
+        self._epoch_batches = _batches(self.sequences, self.batch_tokens, random.Random(self.seed + self.state.epoch))
+
+    # ---- the loop ----
+    def _next_batch(self) -> list[TeacherSequence]:
+        if self.state.cursor >= len(self._epoch_batches):
+            self.state.epoch += 1
+            self.state.cursor = 0
+            self._epoch_batches = _batches(self.sequences, self.batch_tokens, random.Random(self.seed + self.state.epoch))
+        batch = self._epoch_batches[self.state.cursor]
+        self.state.cursor += 1
+        return [self.sequences[i] for i in batch]
+
+    def step(self) -> tuple[float, float, int]:
+        input_ids, mask, top_ids, top_lp, weights = _collate(self._next_batch(), self.prefix_len)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.state, self.budget_s, self.peak_lr)
+        self.student.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            hidden = self.student.model(input_ids=input_ids, attention_mask=mask).last_hidden_state[:, :-1]
+            keep = weights > 0
+            loss, agreement = distill_loss(hidden[keep], self.student.get_output_embeddings().weight, top_ids[keep],
+                                           top_lp[keep], weights[keep], self.negatives, self.generator)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.student.parameters(), 1.0)
+        self.optimizer.step()
+        return float(loss), agreement, int(mask.sum())
+
+    def run(self, on_step: Optional[Callable[[StepReport], None]] = None) -> TrainState:
+        """Train until the time budget (counted across restarts) is spent."""
+        state = self.state
+        window_tokens, window_s = 0, 0.0
+        while state.elapsed_s < self.budget_s:
+            t0 = time.perf_counter()
+            loss, agreement, tokens = self.step()
+            dt = time.perf_counter() - t0
+            state.step += 1
+            state.elapsed_s += dt
+            state.tokens_seen += tokens
+            smooth = 0.9 if state.step > 1 and not math.isnan(state.recent_loss) else 0.0
+            state.recent_loss = smooth * state.recent_loss + (1 - smooth) * loss if smooth else loss
+            state.recent_agreement = smooth * state.recent_agreement + (1 - smooth) * agreement if smooth else agreement
+            window_tokens, window_s = window_tokens + tokens, window_s + dt
+            if state.step % 10 == 0:
+                state.history.append((state.step, round(state.elapsed_s, 1), round(state.recent_loss, 4),
+                                      round(state.recent_agreement, 4)))
+            if self.checkpoint_every and state.step % self.checkpoint_every == 0:
+                self.save()
+            if on_step is not None:
+                on_step(StepReport(state.step, state.elapsed_s, self.budget_s, state.recent_loss,
+                                   state.recent_agreement, window_tokens / window_s if window_s else 0.0))
+            if window_s > 20:
+                window_tokens, window_s = 0, 0.0
+        self.student.eval()
+        return state
+
+
+@torch.inference_mode()
+def agreement(student, sequences: list[TeacherSequence], *, answers_only: bool = True) -> float:
+    """Share of positions where the draft's argmax over the full vocabulary equals the target's top-1.
+
+    On the target's own greedy answers this is the greedy acceptance rate of a K=1 draft.
+    """
+    student.eval()
+    hits = total = 0
+    for seq in sequences:
+        logits = student(input_ids=seq.token_ids[None]).logits[0, :-1]
+        start = max(seq.prompt_len - 1, 0) if answers_only else 0
+        hits += int((logits[start:].argmax(-1) == seq.top_ids[start:, 0].long()).sum())
+        total += len(seq) - 1 - start
+    return hits / total if total else 0.0

@@ -1,0 +1,105 @@
+"""Check 4, latency and speed SLOs, measured at the configured concurrency.
+
+Two runs on the same subject, same prompts, same settings: speculative (K = num_draft_tokens) and
+target-only (num_draft_tokens = 0, the same engines). Warm-up requests are not measured.
+
+Conventions (genai-perf's): TTFT = request sent -> first token received; ITL = (request latency - TTFT) /
+(output tokens - 1), one value per request; percentiles over requests. tokens_per_s = all output tokens /
+wall time of the measured run (throughput at that concurrency). speedup = speculative tokens_per_s /
+target-only tokens_per_s. acceptance_rate = accepted / drafted over all speculative requests, and
+per-position acceptance as in specpipe.spec.stats.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specpipe.config import GateConfig
+from specpipe.gate.report import CheckResult
+from specpipe.gate.subjects import Subject, Tick, TimedRun
+
+NAME = "latency_slo"
+
+# threshold key -> (metric, "max" | "min")
+THRESHOLDS = {
+    "ttft_ms_p50_max": ("ttft_ms_p50", "max"),
+    "ttft_ms_p95_max": ("ttft_ms_p95", "max"),
+    "itl_ms_p50_max": ("itl_ms_p50", "max"),
+    "itl_ms_p95_max": ("itl_ms_p95", "max"),
+    "tokens_per_s_min": ("tokens_per_s", "min"),
+    "speedup_min": ("speedup", "min"),
+    "acceptance_rate_min": ("acceptance_rate", "min"),
+}
+
+
+def summarize(run: TimedRun) -> dict:
+    ttft = [r.ttft_ms for r in run.requests]
+    itl = [r.itl_ms for r in run.requests if r.itl_ms is not None]
+    tokens = sum(r.num_tokens for r in run.requests)
+    drafted = sum(r.drafted for r in run.requests)
+    accepted = sum(r.accepted for r in run.requests)
+    width = max((len(r.drafted_at) for r in run.requests), default=0)
+    drafted_at = np.zeros(width)
+    accepted_at = np.zeros(width)
+    for r in run.requests:
+        drafted_at[: len(r.drafted_at)] += r.drafted_at
+        accepted_at[: len(r.accepted_at)] += r.accepted_at
+    return {
+        "requests": len(run.requests),
+        "output_tokens": tokens,
+        "wall_s": run.wall_s,
+        "tokens_per_s": tokens / run.wall_s if run.wall_s > 0 else 0.0,
+        "ttft_ms_p50": _pct(ttft, 50),
+        "ttft_ms_p95": _pct(ttft, 95),
+        "itl_ms_p50": _pct(itl, 50),
+        "itl_ms_p95": _pct(itl, 95),
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "per_position_acceptance": [float(a / d) if d else 0.0 for a, d in zip(accepted_at, drafted_at)],
+        "samples": {"ttft_ms": ttft, "itl_ms": itl},
+    }
+
+
+def check_latency(subject: Subject, gate: GateConfig, tick: Tick) -> CheckResult:
+    cfg = gate.latency
+    runs = {}
+    for name, k in (("speculative", gate.num_draft_tokens), ("target_only", 0)):
+        run = subject.timed_run(gate.prompts, cfg.max_new_tokens, k, cfg.concurrency, cfg.requests, cfg.warmup_requests, tick)
+        runs[name] = summarize(run)
+    spec, base = runs["speculative"], runs["target_only"]
+    measured = {
+        key: spec[key] for key in ("ttft_ms_p50", "ttft_ms_p95", "itl_ms_p50", "itl_ms_p95", "tokens_per_s", "acceptance_rate")
+    }
+    measured["speedup"] = spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] > 0 else 0.0
+
+    failures, enforced = [], {}
+    for key, (metric, kind) in THRESHOLDS.items():
+        limit = getattr(cfg, key)
+        if limit is None:
+            continue  # report only
+        enforced[key] = limit
+        value = measured[metric]
+        if (kind == "max" and not value <= limit) or (kind == "min" and not value >= limit):
+            failures.append(f"{metric} = {value:.4g} {'>' if kind == 'max' else '<'} {key} {limit:g}")
+    metrics = {
+        **measured,
+        "thresholds": enforced,
+        "report_only": [k for k in THRESHOLDS if k not in enforced],
+        "concurrency": cfg.concurrency,
+        "num_draft_tokens": gate.num_draft_tokens,
+        "max_new_tokens": cfg.max_new_tokens,
+        "where": subject.mode,
+        "runs": runs,
+    }
+    summary = (
+        f"concurrency {cfg.concurrency} ({subject.mode}): TTFT p50/p95 {measured['ttft_ms_p50']:.1f}/{measured['ttft_ms_p95']:.1f} ms,"
+        f" ITL p50/p95 {measured['itl_ms_p50']:.2f}/{measured['itl_ms_p95']:.2f} ms, {measured['tokens_per_s']:.1f} tok/s,"
+        f" speedup {measured['speedup']:.2f}x, acceptance {measured['acceptance_rate']:.2f}"
+        f"; {len(enforced)} thresholds enforced"
+    )
+    return CheckResult(NAME, "failed" if failures else "passed", summary, failures, [], metrics)
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")

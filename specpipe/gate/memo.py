@@ -1,0 +1,78 @@
+"""An Engine that remembers the logits of every prefix it has computed.
+
+The distribution check runs the speculative decoder thousands of times from the same few contexts. The
+random choices differ, but the prefixes the engines see repeat: the context, then the context plus one of
+a few likely tokens, and so on. Remembering logits by prefix makes a sample cost one engine call per
+*new* prefix, while the decoder, the drafter and the acceptance rule run unchanged on the engine's own
+numbers. Entries are kept least-recently-used within a memory budget.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from specpipe.engines.base import Engine, EngineSequence
+
+
+class MemoEngine(Engine):
+    """Wraps `engine` (single-threaded use). Logits of prefix t[:i+1] are stored under tuple(t[:i+1])."""
+
+    def __init__(self, engine: Engine, *, max_bytes: int = 1 << 30):
+        self.engine = engine
+        self.vocab_size = engine.vocab_size
+        self.max_seq_len = engine.max_seq_len
+        self.max_entries = max(64, max_bytes // (4 * engine.vocab_size))
+        self._rows: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()
+        self._under = engine.new_sequence()  # the one real sequence; its cache follows the last miss
+        self.hits = self.misses = 0
+
+    def new_sequence(self) -> EngineSequence:
+        return _MemoSequence(self)
+
+    def row(self, prefix: tuple[int, ...]) -> np.ndarray | None:
+        row = self._rows.get(prefix)
+        if row is not None:
+            self._rows.move_to_end(prefix)
+        return row
+
+    def compute(self, tokens: list[int], start: int) -> np.ndarray:
+        """Logits [len(tokens) - start, V] of positions start.. of `tokens`, reusing the real cache."""
+        keep = 0
+        for cached, wanted in zip(self._under.tokens, tokens[:start]):
+            if cached != wanted:
+                break
+            keep += 1
+        self._under.truncate(keep)
+        logits = self._under.append(tokens[keep:])  # [len(tokens) - keep, V]
+        for offset, row in enumerate(logits):
+            self._store(tuple(tokens[: keep + offset + 1]), row)
+        return logits[start - keep :]
+
+    def _store(self, prefix: tuple[int, ...], row: np.ndarray) -> None:
+        self._rows[prefix] = row
+        self._rows.move_to_end(prefix)
+        while len(self._rows) > self.max_entries:
+            self._rows.popitem(last=False)
+
+
+class _MemoSequence(EngineSequence):
+    def __init__(self, memo: MemoEngine):
+        super().__init__()
+        self.memo = memo
+
+    def _forward(self, token_ids: list[int]) -> np.ndarray:
+        tokens = self.tokens + token_ids
+        start = len(self.tokens)
+        rows = [self.memo.row(tuple(tokens[: i + 1])) for i in range(start, len(tokens))]
+        missing = next((i for i, row in enumerate(rows) if row is None), None)
+        if missing is None:
+            self.memo.hits += 1
+            return np.stack(rows)
+        self.memo.misses += 1
+        computed = self.memo.compute(tokens, start + missing)
+        return np.concatenate([np.stack(rows[:missing]), computed]) if missing else computed
+
+    def _truncate_cache(self, length: int) -> None:
+        pass  # nothing is cached per sequence; the memo holds it all

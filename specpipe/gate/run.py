@@ -1,0 +1,144 @@
+"""`run_gate`: open what is under test, run the five checks with a progress bar, write the report.
+
+Modes:
+- "in-process": target = engines/<name>; no server; robustness is skipped.
+- "repo": target = a Triton model repository; the gate starts tritonserver on free loopback ports.
+- "url": target = host:port of a running server; `engines` names the deployment it serves (the exact
+  probabilities and logit margins are computed from it in-process).
+A setup problem (missing folder, unreachable server) raises a SpecpipeError (exit 2) before any check;
+a check that cannot finish is recorded as an error and fails the gate (exit 1).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Literal, Optional
+
+from specpipe.config import GateConfig
+from specpipe.errors import GateError, SpecpipeError
+from specpipe.gate.report import CheckResult, GateReport, write_report
+from specpipe.gate.subjects import InProcessSubject, Subject
+
+GateMode = Literal["in-process", "repo", "url"]
+CHECKS = ("greedy_equivalence", "distribution_equivalence", "quantization_accuracy", "latency_slo", "robustness")
+
+
+def run_gate(
+    target: str | Path,
+    gate: GateConfig,
+    mode: GateMode,
+    report_dir: str | Path,
+    *,
+    engines: Optional[str | Path] = None,
+    model_name: Optional[str] = None,
+    remeasure: bool = False,
+    threads: int = 2,
+    progress: bool = True,
+) -> GateReport:
+    """Run every enabled check on `target` and write junit.xml, report.json and report.html."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specpipe.manifest import library_versions, now_iso
+
+    started_iso, started = now_iso(), time.perf_counter()
+    console = Console(stderr=True, quiet=not progress)
+    with _open_subject(target, mode, gate, engines=engines, model_name=model_name, threads=threads, console=console) as subject:
+        bar = Progress(
+            TextColumn("{task.description:<26}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=console, disable=not progress,
+        )
+        with bar:
+            checks = [_run_check(name, subject, gate, bar, remeasure) for name in CHECKS]
+    report = GateReport(
+        mode=mode, target=str(target), gate=gate.model_dump(mode="json"), checks=checks, started=started_iso,
+        duration_s=time.perf_counter() - started, versions=library_versions(),
+    )
+    write_report(report, Path(report_dir))
+    return report
+
+
+def _run_check(name: str, subject: Subject, gate: GateConfig, bar, remeasure: bool) -> CheckResult:
+    from specpipe.gate import distribution, greedy, latency, quantization, server
+
+    section = {"greedy_equivalence": gate.greedy, "distribution_equivalence": gate.distribution,
+               "quantization_accuracy": gate.quantization, "latency_slo": gate.latency, "robustness": gate.robustness}[name]
+    task = bar.add_task(name, total=None)
+    tick: Callable[[int], None] = lambda n: bar.advance(task, n)  # noqa: E731
+    started = time.perf_counter()
+    try:
+        if not section.enabled:
+            result = CheckResult(name, "skipped", "disabled in the gate file")
+        elif name == "greedy_equivalence":
+            bar.update(task, total=len(gate.prompts))
+            result = greedy.check_greedy(subject, gate, tick)
+        elif name == "distribution_equivalence":
+            in_server = subject.mode != "in-process"
+            planned = distribution.plan_cases(subject, gate, gate.distribution.server_samples if in_server else None)
+            bar.update(task, total=sum(case.samples for case in planned))
+            result = distribution.check_distribution(subject, gate, planned, tick, server_budget=in_server)
+        elif name == "quantization_accuracy":
+            result = quantization.check_quantization(subject.reference.manifest, subject.reference.folder, gate, remeasure=remeasure)
+        elif name == "latency_slo":
+            bar.update(task, total=2 * gate.latency.requests)
+            result = latency.check_latency(subject, gate, tick)
+        else:
+            is_server = isinstance(subject, server.ServerSubject)
+            bar.update(task, total=len(server.bad_requests(subject.reference)) + 1 if is_server else 1)
+            result = server.check_robustness(subject if is_server else None, gate, tick)
+    except SpecpipeError as err:
+        result = CheckResult(name, "error", f"{type(err).__name__}: {err}")
+    except Exception as err:  # a bug or a crashed server: recorded, and the gate fails
+        result = CheckResult(name, "error", f"{type(err).__name__}: {err}", failures=[traceback.format_exc(limit=4)])
+    result.duration_s = time.perf_counter() - started
+    bar.update(task, total=bar.tasks[task].completed or 1, description=f"{name} [{result.status}]")
+    return result
+
+
+@contextmanager
+def _open_subject(target, mode: GateMode, gate: GateConfig, *, engines, model_name, threads, console) -> Iterator[Subject]:
+    from specpipe.deployment import load_deployment
+
+    if mode == "in-process":
+        if engines is not None:
+            raise GateError("--engines goes with --url; in-process, the target is the engines folder itself")
+        yield InProcessSubject(load_deployment(_existing(target, "engines folder"), threads=threads), chat=gate.chat)
+        return
+
+    from specpipe.gate.server import ServerSubject, check_reachable, served_engine_dir
+    from specpipe.triton.client import DEFAULT_MODEL
+
+    model_name = model_name or DEFAULT_MODEL
+    if mode == "url":
+        if engines is None:
+            raise GateError(
+                f"--url {target}: also pass --engines engines/NAME, the deployment this server serves"
+                " (the distribution check needs the target's exact probabilities from it)"
+            )
+        reference = load_deployment(_existing(engines, "--engines folder"), threads=threads)
+        check_reachable(str(target), model_name)
+        yield ServerSubject(str(target), reference, model_name=model_name, chat=gate.chat)
+        return
+
+    if mode != "repo":
+        raise GateError(f"unknown gate mode {mode!r}")
+    from specpipe.triton.server import ServerConfig, TritonServer, free_port
+
+    repo = _existing(target, "Triton model repository")
+    reference = load_deployment(served_engine_dir(repo, model_name), threads=threads)
+    server_cfg = ServerConfig(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
+    with ExitStack() as stack:
+        with console.status(f"starting tritonserver on {repo}"):
+            server = stack.enter_context(TritonServer(repo, server_cfg))
+        console.log(f"tritonserver ready at {server.url} in {server.ready_s:.1f} s")
+        yield ServerSubject(server.url, reference, model_name=model_name, chat=gate.chat)
+
+
+def _existing(path, what: str) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise GateError(f"no such {what}: {path}")
+    return path

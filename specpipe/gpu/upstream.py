@@ -1,0 +1,115 @@
+"""Upstream names and versions the GPU backends depend on, each with the file it was checked against.
+
+Nothing here was run on a GPU: every value was read in the upstream sources named next to it (public
+GitHub repositories and NVIDIA's published docs, read in November 2026). When upstream changes a name,
+this is the one file to update; tests/test_gpu_plan.py holds its own copy of the expectations so a wrong
+edit here fails a test instead of passing silently.
+"""
+
+from __future__ import annotations
+
+# ---- TensorRT-LLM: which release still has the TensorRT engine path ------------------------------------
+# TensorRT-LLM deprecated (PR 11723, 2026-02) and then removed the TensorRT engine backend: examples with
+# convert_checkpoint.py/trtllm-build (PR 15763), the C++ Triton backend `inflight_batcher_llm` (PR 15907),
+# the Python modules (PR 15918). Release notes of v1.3.0rc20 (github NVIDIA/TensorRT-LLM releases/tag/
+# v1.3.0rc20): "This RC version will be the last one supporting the TensorRT backend". That RC is not on
+# PyPI (`pip index versions --pre tensorrt-llm` lists 1.3.0rc15, then rc22); the last *stable* release
+# with the engine path is 1.2.1 (PyPI, 2026-04; its docs still ship commands/trtllm-build.html:
+# NVIDIA/TensorRT-LLM gh-pages 1.2.1/commands/trtllm-build.html @58fb435e). specpipe pins 1.2.1.
+TRTLLM_ENGINE_VERSION = "1.2.1"
+TRTLLM_ENGINE_TAG = "v1.2.1"
+TRTLLM_LAST_ENGINE_RC = "1.3.0rc20"  # GitHub/NGC only
+TRTLLM_REMOVAL_PRS = (11723, 15763, 15907, 15918)
+# The matching Triton container ships tensorrtllm_backend and tritonserver; its version follows the
+# TensorRT-LLM release (triton-inference-server/tensorrtllm_backend README, "Using the TensorRT-LLM Backend").
+
+# ---- convert_checkpoint.py (LLaMA family) --------------------------------------------------------------
+# NVIDIA/TensorRT-LLM examples/models/core/llama/convert_checkpoint.py (@368f8f2a, the 1.3 line; the
+# flags used here are unchanged since 0.9): --model_dir, --output_dir, --dtype {auto,float16,bfloat16,
+# float32}, --tp_size, --pp_size, --workers.
+CONVERT_CHECKPOINT_LLAMA = "examples/models/core/llama/convert_checkpoint.py"
+CONVERT_DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+# ---- quantize.py (ModelOpt PTQ) -------------------------------------------------------------------------
+# NVIDIA/TensorRT-LLM examples/quantization/quantize.py (@059c97c1): --model_dir, --dtype {auto,float16,
+# bfloat16,float32}, --qformat {nvfp4,fp8,int8_sq,int4_awq,w4a8_awq,int8_wo,int4_wo,full_prec},
+# --kv_cache_dtype {int8,fp8}, --calib_size, --output_dir, --tp_size, --pp_size, --export_format
+# {tensorrt_llm,hf}. The same qformat keys are in 1.2.1's quant_cfg_choices()
+# (gh-pages 1.2.1/_modules/tensorrt_llm/quantization/quantize_by_modelopt.html @58fb435e).
+QUANTIZE_SCRIPT = "examples/quantization/quantize.py"
+QFORMATS = ("nvfp4", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "int8_wo", "int4_wo", "full_prec")
+QUANT_KV_CACHE_DTYPES = ("int8", "fp8")
+QUANT_EXPORT_FORMATS = ("tensorrt_llm", "hf")
+
+# specpipe's --quant modes -> quantize.py --qformat. int4-wo maps to AWQ: ModelOpt's activation-aware
+# int4 weight-only recipe (INT4_AWQ_CFG), the one TensorRT-LLM documents for int4 weights.
+QFORMAT_FOR_MODE = {"fp8": "fp8", "int8": "int8_sq", "int8-wo": "int8_wo", "int4-wo": "int4_awq"}
+
+# ---- trtllm-build ---------------------------------------------------------------------------------------
+# gh-pages 1.2.1/commands/trtllm-build.html @58fb435e (the argparse usage of tensorrt_llm/commands/build.py
+# in 1.2.1). Note: trtllm-build has no --tp_size; tensor parallelism is fixed when the checkpoint is
+# converted or quantized (--tp_size there), and trtllm-build builds one rank{i}.engine per rank.
+TRTLLM_BUILD = "trtllm-build"
+SPECULATIVE_DECODING_MODES = ("draft_tokens_external", "lookahead_decoding", "medusa", "explicit_draft_tokens", "eagle")
+GEMM_PLUGIN_CHOICES = ("auto", "float16", "float32", "bfloat16", "int32", "fp8", "nvfp4", "disable")
+ENABLE_DISABLE = ("enable", "disable")
+# Engine output: config.json + rank{rank}.engine (tensorrt_llm/builder.py, Engine.save / Engine.from_dir).
+ENGINE_CONFIG_FILE = "config.json"
+
+
+def engine_file(rank: int) -> str:
+    return f"rank{rank}.engine"
+
+
+# Draft-target with the C++ runtime needs KV-cache reuse, which needs paged context FMHA:
+# examples/draft_target_model/README.md (@11925f62): "--use_paged_context_fmha=enable must be specified
+# since we need KV-Cache reuse", "--speculative_decoding_mode=draft_tokens_external and --max_draft_len
+# must be specified for target model". tensorrtllm_backend issue 271: enable_kv_cache_reuse without
+# paged context FMHA fails at model load. TensorRT-LLM issue 2166: paged context FMHA does not support
+# an int8 KV cache, so an int8 KV cache cannot be used on this path.
+
+# ---- tensorrtllm_backend (Triton) -----------------------------------------------------------------------
+# Model templates: NVIDIA/TensorRT-LLM triton_backend/all_models/inflight_batcher_llm/<model>/config.pbtxt
+# (moved there from tensorrtllm_backend/all_models after v0.19). Parameter keys are the ones inside the
+# config.pbtxt, not fill_template.py's variable names: ${engine_dir} fills key "gpt_model_path" and
+# ${batching_strategy} fills key "gpt_model_type" (tensorrt_llm/config.pbtxt @0c8de69a).
+TRITON_MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls", "postprocessing")
+TRITON_TEMPLATES_DIR = "triton_backend/all_models/inflight_batcher_llm"
+TENSORRTLLM_BACKEND = "tensorrtllm"  # tensorrt_llm/config.pbtxt: backend "${triton_backend}" = tensorrtllm (docs/model_config.md)
+BATCHING_STRATEGIES = ("inflight_fused_batching", "V1")  # docs/model_config.md, tensorrtllm_backend v1.0.0
+# Python models whose model.py specpipe takes from the pinned checkout (never vendored).
+PYTHON_MODEL_FILES = {
+    "preprocessing": ("1/model.py",),
+    "postprocessing": ("1/model.py",),
+    "tensorrt_llm_bls": ("1/model.py", "1/lib/decode.py", "1/lib/triton_decoder.py"),
+}
+
+# ---- LLM API path (the forward path after the removal) ---------------------------------------------------
+# tensorrt_llm.llmapi.DraftTargetDecodingConfig: fields max_draft_len and speculative_model (alias
+# speculative_model_dir); as a dict, DecodingBaseConfig.from_dict dispatches on decoding_type "DraftTarget"
+# (gh-pages 1.2.1/_modules/tensorrt_llm/llmapi/llm_args.html @58fb435e). The docs' example also passes
+# disable_overlap_scheduler=True (1.2.1/features/speculative-decoding.html).
+LLMAPI_DRAFT_TARGET_TYPE = "DraftTarget"
+# Triton's llmapi model: triton_backend/all_models/llmapi/tensorrt_llm/1/model.yaml (@0ebb1536) is passed
+# to LLM(**yaml) except `triton_config` ({max_batch_size, decoupled}); model.py reads it via
+# update_llm_args_with_extra_dict (speculative_config -> DecodingBaseConfig.from_dict).
+LLMAPI_TEMPLATES_DIR = "triton_backend/all_models/llmapi/tensorrt_llm"
+LLMAPI_MODEL_FILES = ("1/model.py", "1/helpers.py")
+
+# ---- TensorRT (the tensorrt backend) --------------------------------------------------------------------
+# Python API checked in NVIDIA/TensorRT python/src/infer/pyCore.cpp @a892d222 (TensorRT 11.1 OSS):
+# Builder.create_network(flags), NetworkDefinitionCreationFlag.STRONGLY_TYPED ("Deprecated: always
+# enabled" in 11.x, required on 10.x for QDQ fp8), Builder.create_builder_config /
+# create_optimization_profile / build_serialized_network, IOptimizationProfile.set_shape(input, min, opt,
+# max), IBuilderConfig.add_optimization_profile / set_memory_pool_limit(MemoryPoolType.WORKSPACE, n),
+# Runtime.deserialize_cuda_engine, ICudaEngine.create_execution_context / num_io_tensors /
+# get_tensor_name / get_tensor_mode / get_tensor_dtype / get_tensor_profile_shape(name, profile_index),
+# IExecutionContext.set_optimization_profile_async(profile_index, stream_handle) / set_input_shape /
+# get_tensor_shape / set_tensor_address / execute_async_v3(stream_handle); python/src/parsers/pyOnnx.cpp:
+# OnnxParser.parse_from_file / num_errors / get_error.
+# TensorRT 11 removed BuilderFlag.FP16/BF16/INT8/FP8: precision must be in the graph (docs.nvidia.com
+# tensorrt 11.x "Migrating Python Code from TensorRT 10.x to 11.x"): fp16/bf16 through ModelOpt AutoCast
+# (modelopt.onnx.autocast.convert_to_mixed_precision(onnx_path, low_precision_type, keep_io_types, ...)
+# -> onnx.ModelProto), int8/fp8 through Q/DQ nodes, which specpipe's quantizer writes.
+TENSORRT_MIN_VERSION = "10.12"  # strongly typed networks with fp8 Q/DQ; weak typing deprecated in 10.12
+AUTOCAST_LOW_PRECISION = {"float16": "fp16", "bfloat16": "bf16"}

@@ -1,0 +1,160 @@
+"""Quantize one engine folder into another, then hold it to its accuracy budget.
+
+`quantize_onnx` turns an unquantized engine folder (model.onnx [+ .data] and engine.json, as exported by
+optimum for text-generation-with-past) into a quantized one. `quantize_engine` is what the build calls
+for each model: calibration data, quantize, measure against the unquantized engine, check the budget,
+and return the block the manifest records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Sequence
+
+from specpipe.config import QuantConfig
+from specpipe.errors import UsageError
+from specpipe.quantize.graph import (
+    constant_weight_matmuls,
+    folder_bytes,
+    load_model,
+    model_files,
+    save_model,
+    save_ort_optimized,
+    untie_lm_head,
+)
+
+# KV cache precisions each backend can store. ONNX Runtime's CPU engine keeps the cache in the graph's
+# dtype (fp32): an fp8/int8 cache needs kernels that read it (TensorRT / TensorRT-LLM).
+KV_CACHE_DTYPES = {"onnxruntime": ("auto",)}
+
+MODE_HELP = (
+    "none | int8-wo | int4-wo (weight-only, MatMulNBits: the fast CPU path) | int8 (W8A8, calibrated) | "
+    "fp8 (E4M3 QDQ, calibrated; ONNX Runtime on CPU emulates it for the accuracy check, "
+    "TensorRT on Hopper/Ada runs it natively)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantResult:
+    mode: str
+    quantized_layers: int  # constant-weight MatMuls in the graph handed to the quantizer
+    untied_weights: list[str]  # MatMuls given their own constant weight (a tied lm_head)
+    group_size: int | None  # weight-only modes
+    calib_sequences: int
+    calib_tokens: int
+    smooth_quant: bool
+    src_bytes: int
+    dst_bytes: int
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check_kv_cache_dtype(cfg: QuantConfig, backend: str = "onnxruntime") -> None:
+    supported = KV_CACHE_DTYPES.get(backend, ("auto",))
+    if cfg.kv_cache_dtype not in supported:
+        raise UsageError(
+            f"--kv-cache-dtype {cfg.kv_cache_dtype} is not supported by the {backend} engine, which keeps its KV cache"
+            " in the model's dtype (fp32); fp8/int8 KV caches need the TensorRT backend"
+        )
+
+
+def check_calibration(cfg: QuantConfig, calib: Sequence[Sequence[int]] | None) -> None:
+    if cfg.needs_calibration and not (calib and any(len(ids) > 0 for ids in calib)):
+        raise UsageError(
+            f"{cfg.mode} quantization calibrates activation scales and needs calibration data:"
+            " pass --calib-prompts FILE.jsonl with {\"prompt\": ...} lines (or use a weight-only mode)"
+        )
+
+
+def quantize_onnx(src_dir: Path, dst_dir: Path, cfg: QuantConfig, calib: Sequence[Sequence[int]] | None = None) -> QuantResult:
+    """Write the engine of `src_dir` quantized as `cfg.mode` into `dst_dir` (model files + engine.json).
+
+    `calib`: token id sequences for int8 / fp8 (each run from an empty KV cache); ignored otherwise.
+    """
+    from specpipe.engines.base import ENGINE_META, read_engine_meta
+
+    check_kv_cache_dtype(cfg)
+    check_calibration(cfg, calib)
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    meta = read_engine_meta(src_dir)
+    if meta.get("quant", "none") != "none":
+        raise UsageError(f"{src_dir} is already quantized ({meta['quant']}); quantize the unquantized engine")
+    started = time.perf_counter()
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    untied: list[str] = []
+    layers = 0
+    if cfg.mode == "none":
+        for path in model_files(src_dir):
+            shutil.copy2(path, dst_dir / path.name)
+    else:
+        model = load_model(src_dir)
+        untied = untie_lm_head(model)
+        layers = len(constant_weight_matmuls(model))
+        if cfg.mode in ("int8-wo", "int4-wo"):
+            from specpipe.quantize.weight_only import WO_BITS, quantize_weight_only
+
+            save_model(quantize_weight_only(model, bits=WO_BITS[cfg.mode], group_size=cfg.group_size), dst_dir)
+        else:
+            from specpipe.quantize.static import quantize_calibrated
+
+            quantize_calibrated(
+                model, dst_dir, mode=cfg.mode, calib=calib, window=cfg.calib_window, smooth_quant=cfg.smooth_quant
+            )
+    meta["quant"] = cfg.mode
+    if cfg.mode != "none":
+        save_ort_optimized(dst_dir, qdq_fusion=cfg.mode != "fp8")
+        meta["ort_optimized"] = True
+    (dst_dir / ENGINE_META).write_text(json.dumps(meta, indent=2) + "\n")
+    calib_used = [ids for ids in (calib or []) if ids] if cfg.needs_calibration else []
+    return QuantResult(
+        mode=cfg.mode,
+        quantized_layers=layers,
+        untied_weights=untied,
+        group_size=cfg.group_size if cfg.mode in ("int8-wo", "int4-wo") else None,
+        calib_sequences=len(calib_used),
+        calib_tokens=sum(len(ids) for ids in calib_used),
+        smooth_quant=cfg.smooth_quant and cfg.mode == "int8",
+        src_bytes=folder_bytes(src_dir),
+        dst_bytes=folder_bytes(dst_dir),
+        seconds=round(time.perf_counter() - started, 2),
+    )
+
+
+def quantize_engine(
+    src_dir: Path,
+    dst_dir: Path,
+    cfg: QuantConfig,
+    tokenizer,
+    *,
+    model_name: str,
+    threads: int = 2,
+) -> dict:
+    """Quantize, measure against `src_dir`, check the budget. Returns the manifest's "quant" block.
+
+    Raises AccuracyBudgetError when over budget, unless cfg.accept_accuracy_loss (then the violations
+    are recorded in the block). `model_name` ("target", "draft") names the engine in errors.
+    """
+    from specpipe.quantize.accuracy import check_budget, measure_accuracy
+    from specpipe.quantize.calibration import calibration_batches, evaluation_batches
+
+    check_kv_cache_dtype(cfg)
+    calib = calibration_batches(tokenizer, cfg) if cfg.needs_calibration else None
+    result = quantize_onnx(src_dir, dst_dir, cfg, calib)
+    block = {**result.as_dict(), "kv_cache_dtype": cfg.kv_cache_dtype}
+    if cfg.mode == "none":
+        return block
+    report = measure_accuracy(src_dir, dst_dir, evaluation_batches(tokenizer, cfg), threads=threads)
+    violations = check_budget(report, cfg.budget, model_name, accept_loss=cfg.accept_accuracy_loss)
+    block.update(
+        accuracy=report.as_dict(),
+        budget=cfg.budget.model_dump(),
+        violations=[v.as_dict() for v in violations],
+        accepted_over_budget=bool(violations),
+    )
+    return block

@@ -1,0 +1,94 @@
+"""Triton Python-backend model: specpipe's speculative decoder behind tensorrtllm_backend's tensor names.
+
+A thin adapter. specpipe.triton.serving validates requests and runs specpipe.spec's SpecGenerator, the
+same code `specpipe generate` runs in-process; this file only moves tensors in and responses out.
+write_repository() copies it to <repo>/<model>/1/model.py with the engines beside it in 1/engine/, so
+the repository can be moved anywhere. The model is decoupled: one response per speculative step.
+Each instance (a separate stub process) serves one request at a time; Triton queues the rest.
+"""
+
+import json
+import os
+import traceback
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+# Prometheus counters on Triton's metrics port; acceptance rate = accepted / drafted.
+COUNTERS = {
+    "specpipe_requests_total": "Requests answered (successfully)",
+    "specpipe_generated_tokens_total": "Tokens generated",
+    "specpipe_verify_steps_total": "Target verification steps (one per speculative step)",
+    "specpipe_draft_tokens_total": "Tokens proposed by the draft",
+    "specpipe_accepted_draft_tokens_total": "Drafted tokens the target accepted",
+}
+COUNTED_STATS = {  # counter -> field of Result.as_dict()
+    "specpipe_generated_tokens_total": "num_generated",
+    "specpipe_verify_steps_total": "steps",
+    "specpipe_draft_tokens_total": "drafted",
+    "specpipe_accepted_draft_tokens_total": "accepted",
+}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        # The stub only tokenizes with transformers (engines are ONNX Runtime): keeping transformers from
+        # importing torch cuts each instance's load from ~7 s to ~1.5 s here. An explicit setting wins.
+        os.environ.setdefault("USE_TORCH", "0")
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+        from specpipe.deployment import load_deployment
+        from specpipe.errors import SpecpipeError
+        from specpipe.triton.repository import ModelParameters
+        from specpipe.triton.serving import ServedModel
+
+        self.SpecpipeError = SpecpipeError
+        config = json.loads(args["model_config"])
+        params = ModelParameters.from_triton(config)
+        instance_count = sum(group.get("count", 1) for group in config.get("instance_group", [])) or 1
+        engine_dir = Path(__file__).parent / params.engine_dir
+        try:
+            deployment = load_deployment(engine_dir, threads=params.threads_per_instance(instance_count, os.cpu_count()))
+        except Exception as err:  # one line in Triton's model table and in `specpipe serve`'s error
+            raise pb_utils.TritonModelException(f"cannot load {engine_dir}: {type(err).__name__}: {err}") from None
+        self.model = ServedModel(deployment, exclude_input_in_output=params.exclude_input_in_output)
+        self.logger = pb_utils.Logger
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        self.metric_families = {
+            name: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.COUNTER)
+            for name, text in COUNTERS.items()
+        }
+        self.counters = {name: family.Metric(labels=labels) for name, family in self.metric_families.items()}
+
+    def execute(self, requests):
+        for request in requests:
+            self._answer(request)
+        return None  # decoupled: every response went through the request's sender
+
+    def _answer(self, request):
+        sender = request.get_response_sender()
+        tensors = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
+        replies = self.model.replies(tensors)
+        try:
+            for reply in replies:
+                if sender.is_cancelled():
+                    replies.close()
+                    sender.send(flags=FINAL)
+                    return
+                outputs = [pb_utils.Tensor(name, array) for name, array in reply.tensors.items()]
+                sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL if reply.final else 0)
+                if reply.final:
+                    self._count(reply.tensors["stats_json"])
+        except self.SpecpipeError as err:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err))), flags=FINAL)
+        except Exception as err:  # a bug, not a bad request: keep the trace in the server log
+            self.logger.log_error(traceback.format_exc())
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {type(err).__name__}: {err}")),
+                        flags=FINAL)
+
+    def _count(self, stats_json):
+        stats = json.loads(stats_json.reshape(-1)[0])
+        self.counters["specpipe_requests_total"].increment(1)
+        for counter, field in COUNTED_STATS.items():
+            self.counters[counter].increment(float(stats[field]))

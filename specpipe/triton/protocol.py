@@ -1,0 +1,286 @@
+"""tensorrtllm_backend's request/response protocol, and how specpipe maps it onto a GenerationConfig.
+
+Tensor names, types, dims and reshapes are copied from tensorrtllm_backend
+all_models/inflight_batcher_llm/tensorrt_llm_bls/config.pbtxt (and ensemble/config.pbtxt, which has the
+same tensors minus num_draft_tokens/use_draft_logits) at commit c2e65b88d85255be30cf50440a91662abeb497dd
+(2025-05-13, the last one before the models moved into TensorRT-LLM's triton_backend/). The BLS model's
+multimodal inputs (image_*, video_*) are left out. `random_seed` is the name the same input had up to
+commit 071ee5e (v0.17, renamed `seed` later); both are accepted so older clients work too.
+
+Inputs specpipe cannot honour are declared anyway (a TRT-LLM client may send them) and accepted only at
+their neutral value (beam_width 1, repetition_penalty 1.0, ...); anything else is refused with a message
+that names the input. Pure numpy here: the Triton adapter (model_py/model.py) only moves tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+
+from specpipe.errors import UsageError
+from specpipe.triton.model_config import TensorSpec
+
+UPSTREAM = "triton-inference-server/tensorrtllm_backend@c2e65b8 all_models/inflight_batcher_llm/tensorrt_llm_bls/config.pbtxt"
+
+
+def _in(name: str, data_type: str, dims=(1,), *, optional=True, reshape=None, ragged=False) -> TensorSpec:
+    return TensorSpec(
+        name=name, data_type=data_type, dims=tuple(dims), optional=optional, reshape=reshape, allow_ragged_batch=ragged
+    )
+
+
+def _out(name: str, data_type: str, dims=(1,)) -> TensorSpec:
+    return TensorSpec(name=name, data_type=data_type, dims=tuple(dims))
+
+
+SCALAR = ()  # reshape: { shape: [ ] } upstream
+
+# In upstream order. Only text_input and max_tokens are required, as upstream.
+LLM_INPUTS: tuple[TensorSpec, ...] = (
+    _in("text_input", "STRING", optional=False),
+    _in("decoder_text_input", "STRING"),
+    _in("max_tokens", "INT32", optional=False),
+    _in("bad_words", "STRING", (-1,)),
+    _in("stop_words", "STRING", (-1,)),
+    _in("exclude_input_in_output", "BOOL"),
+    _in("end_id", "INT32"),
+    _in("pad_id", "INT32"),
+    _in("top_k", "INT32"),
+    _in("top_p", "FP32"),
+    _in("temperature", "FP32"),
+    _in("length_penalty", "FP32"),
+    _in("repetition_penalty", "FP32"),
+    _in("min_tokens", "INT32"),
+    _in("presence_penalty", "FP32"),
+    _in("frequency_penalty", "FP32"),
+    _in("seed", "UINT64"),
+    _in("return_log_probs", "BOOL", reshape=SCALAR),
+    _in("return_context_logits", "BOOL", reshape=SCALAR),
+    _in("return_generation_logits", "BOOL", reshape=SCALAR),
+    _in("num_return_sequences", "INT32", reshape=SCALAR),
+    _in("beam_width", "INT32"),
+    _in("stream", "BOOL"),
+    _in("prompt_embedding_table", "FP16", (-1, -1)),
+    _in("prompt_vocab_size", "INT32"),
+    _in("prompt_table_extra_id", "UINT64"),
+    _in("embedding_bias_words", "STRING", (-1,)),
+    _in("embedding_bias_weights", "FP32", (-1,)),
+    _in("num_draft_tokens", "INT32"),
+    _in("use_draft_logits", "BOOL", reshape=SCALAR),
+    _in("lora_task_id", "UINT64", reshape=SCALAR),
+    _in("lora_weights", "FP16", (-1, -1), ragged=True),
+    _in("lora_config", "INT32", (-1, 3), ragged=True),
+    _in("return_perf_metrics", "BOOL", reshape=SCALAR),
+    _in("guided_decoding_guide_type", "STRING"),
+    _in("guided_decoding_guide", "STRING"),
+    _in("random_seed", "UINT64"),  # pre-v0.18 name of `seed`
+)
+
+LLM_OUTPUTS: tuple[TensorSpec, ...] = (
+    _out("text_output", "STRING", (-1,)),
+    _out("cum_log_probs", "FP32", (-1,)),
+    _out("output_log_probs", "FP32", (-1, -1)),
+    _out("context_logits", "FP32", (-1, -1)),
+    _out("generation_logits", "FP32", (-1, -1, -1)),
+    _out("batch_index", "INT32"),
+    _out("sequence_index", "INT32"),
+    _out("kv_cache_alloc_new_blocks", "INT32"),
+    _out("kv_cache_reused_blocks", "INT32"),
+    _out("kv_cache_alloc_total_blocks", "INT32"),
+    _out("arrival_time_ns", "INT64"),
+    _out("first_scheduled_time_ns", "INT64"),
+    _out("first_token_time_ns", "INT64"),
+    _out("last_token_time_ns", "INT64"),
+    _out("acceptance_rate", "FP32"),
+    _out("total_accepted_draft_tokens", "INT32"),
+    _out("total_draft_tokens", "INT32"),
+)
+
+# specpipe's additions. Optional inputs and extra outputs: a TRT-LLM client never notices them.
+EXTENSION_INPUTS: tuple[TensorSpec, ...] = (
+    _in("apply_chat_template", "BOOL"),  # wrap text_input in the tokenizer's chat template
+    _in("generation_config", "STRING"),  # a GenerationConfig as JSON: the base the tensors above override
+)
+EXTENSION_OUTPUTS: tuple[TensorSpec, ...] = (
+    _out("token_ids", "INT32", (-1,)),  # tokens carried by this response
+    _out("stats_json", "STRING"),  # final response: the in-process Result.as_dict() minus text/token_ids
+)
+
+SERVED_INPUTS = LLM_INPUTS + EXTENSION_INPUTS
+SERVED_OUTPUTS = LLM_OUTPUTS + EXTENSION_OUTPUTS
+MAX_BATCH_SIZE = 1  # one prompt per request; dims [1] then mean shape [1, 1], as TRT-LLM clients send
+
+_NUMPY_KIND = {"STRING": "OSU", "BOOL": "b", "INT32": "iu", "UINT64": "iu", "FP32": "f", "FP16": "f"}
+_INPUT_TYPES = {t.name: t.data_type for t in SERVED_INPUTS}
+
+
+def _values(array: np.ndarray) -> np.ndarray:
+    return np.asarray(array).reshape(-1)
+
+
+# Inputs that TensorRT-LLM honours and specpipe does not: accepted only at the neutral value.
+# name -> (is the value neutral?, what to tell the client)
+_NEUTRAL: dict[str, tuple[Callable[[np.ndarray], bool], str]] = {
+    "decoder_text_input": (lambda v: all(not w for w in v), "encoder-decoder models are not supported"),
+    "bad_words": (lambda v: all(not w for w in v), "bad_words are not supported"),
+    "beam_width": (lambda v: bool(np.all(v == 1)), "beam search is not supported: beam_width must be 1"),
+    "num_return_sequences": (lambda v: bool(np.all(v == 1)), "num_return_sequences must be 1"),
+    "repetition_penalty": (lambda v: bool(np.all(v == 1.0)), "repetition_penalty is not supported (send 1.0)"),
+    "presence_penalty": (lambda v: bool(np.all(v == 0.0)), "presence_penalty is not supported (send 0.0)"),
+    "frequency_penalty": (lambda v: bool(np.all(v == 0.0)), "frequency_penalty is not supported (send 0.0)"),
+    "min_tokens": (lambda v: bool(np.all(v <= 1)), "min_tokens > 1 is not supported"),
+    "return_log_probs": (lambda v: not v.any(), "return_log_probs is not supported"),
+    "return_context_logits": (lambda v: not v.any(), "return_context_logits is not supported"),
+    "return_generation_logits": (lambda v: not v.any(), "return_generation_logits is not supported"),
+    "prompt_embedding_table": (lambda v: v.size == 0, "prompt tuning is not supported"),
+    "prompt_vocab_size": (lambda v: bool(np.all(v == 0)), "prompt tuning is not supported"),
+    "prompt_table_extra_id": (lambda v: bool(np.all(v == 0)), "prompt tuning is not supported"),
+    "embedding_bias_words": (lambda v: all(not w for w in v), "embedding bias is not supported"),
+    "embedding_bias_weights": (lambda v: v.size == 0, "embedding bias is not supported"),
+    "lora_task_id": (lambda v: bool(np.all(v == 0)), "LoRA is not supported"),
+    "lora_weights": (lambda v: v.size == 0, "LoRA is not supported"),
+    "lora_config": (lambda v: v.size == 0, "LoRA is not supported"),
+    "guided_decoding_guide_type": (lambda v: all(not w for w in v), "guided decoding is not supported"),
+    "guided_decoding_guide": (lambda v: all(not w for w in v), "guided decoding is not supported"),
+}
+# Accepted and ignored: pad_id (nothing is padded), length_penalty (beam search only),
+# use_draft_logits (the draft's probabilities q are always used when sampling).
+
+
+@dataclass
+class ServedRequest:
+    """One parsed request: the prompt, GenerationConfig fields, and how to answer."""
+
+    prompt: str
+    config: dict[str, Any]  # GenerationConfig fields (nested "sampling" dict), validated by the deployment
+    stream: bool = False
+    chat: bool = False
+    exclude_input_in_output: Optional[bool] = None  # None: the model's default parameter
+    return_perf_metrics: bool = False
+    end_id: Optional[int] = None  # replaces the deployment's EOS ids; < 0 = do not stop at EOS
+
+
+def parse_request(tensors: Mapping[str, np.ndarray]) -> ServedRequest:
+    """Check a request's tensors and turn them into a ServedRequest. Bad input raises UsageError."""
+    for name, array in tensors.items():
+        _check_type(name, array)
+    for name, (neutral, why) in _NEUTRAL.items():
+        if name in tensors and not neutral(_values(tensors[name])):
+            raise UsageError(f"{name}: {why}")
+
+    if "text_input" not in tensors:
+        raise UsageError("missing required input 'text_input'")
+    prompt = _string(tensors, "text_input")
+    if not prompt:
+        raise UsageError("text_input is empty")
+    if "max_tokens" not in tensors:
+        raise UsageError("missing required input 'max_tokens'")
+
+    config = _base_config(tensors)
+    sampling = config.setdefault("sampling", {})
+    max_tokens = _scalar(tensors, "max_tokens")
+    if max_tokens < 1:
+        raise UsageError(f"max_tokens must be >= 1, got {max_tokens}")
+    config["max_new_tokens"] = max_tokens
+    if "temperature" in tensors:
+        temperature = _scalar(tensors, "temperature")
+        if not temperature >= 0.0:  # also refuses NaN
+            raise UsageError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        sampling["temperature"] = temperature
+    if "top_k" in tensors:
+        top_k = _scalar(tensors, "top_k")
+        if top_k < 0:
+            raise UsageError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        sampling["top_k"] = top_k
+    if "top_p" in tensors:
+        top_p = _scalar(tensors, "top_p")
+        if not 0.0 <= top_p <= 1.0:
+            raise UsageError(f"top_p must be in [0, 1] (0 or 1 = off), got {top_p}")
+        sampling["top_p"] = top_p if top_p > 0.0 else 1.0  # TensorRT-LLM's SamplingConfig: top_p 0.0 = off
+    for name in ("seed", "random_seed"):
+        if name in tensors:
+            config["seed"] = _scalar(tensors, name)
+    if "num_draft_tokens" in tensors:
+        num_draft_tokens = _scalar(tensors, "num_draft_tokens")
+        if num_draft_tokens < 0:
+            raise UsageError(f"num_draft_tokens must be >= 0 (0 = target only), got {num_draft_tokens}")
+        if num_draft_tokens == 0:
+            config["speculative"] = False
+        else:  # a TRT-LLM client asks for exactly K drafts per step
+            config.update(speculative=True, num_draft_tokens=num_draft_tokens, draft_length="fixed")
+    if "stop_words" in tensors:
+        config["stop"] = [w for w in _strings(tensors, "stop_words") if w]
+
+    end_id = _scalar(tensors, "end_id") if "end_id" in tensors else None
+    return ServedRequest(
+        prompt=prompt,
+        config=config,
+        stream=bool(_scalar(tensors, "stream")) if "stream" in tensors else False,
+        chat=bool(_scalar(tensors, "apply_chat_template")) if "apply_chat_template" in tensors else False,
+        exclude_input_in_output=(
+            bool(_scalar(tensors, "exclude_input_in_output")) if "exclude_input_in_output" in tensors else None
+        ),
+        return_perf_metrics=bool(_scalar(tensors, "return_perf_metrics")) if "return_perf_metrics" in tensors else False,
+        end_id=end_id,
+    )
+
+
+def check_lengths(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None:
+    """TensorRT-LLM refuses input + output beyond the engine's max_seq_len; so do we, before any work."""
+    if prompt_len + max_new_tokens > max_seq_len:
+        raise UsageError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) = {prompt_len + max_new_tokens}"
+            f" exceeds the engine's max_seq_len {max_seq_len}"
+        )
+
+
+def _base_config(tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    if "generation_config" not in tensors:
+        return {}
+    import json
+
+    try:
+        config = json.loads(_string(tensors, "generation_config"))
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"generation_config is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise UsageError("generation_config must be a JSON object of GenerationConfig fields")
+    return config
+
+
+def _check_type(name: str, array: np.ndarray) -> None:
+    expected = _INPUT_TYPES.get(name)
+    if expected is None:
+        raise UsageError(f"unknown input {name!r}")
+    if np.asarray(array).dtype.kind not in _NUMPY_KIND[expected]:
+        raise UsageError(f"input {name!r} must be TYPE_{expected}, got numpy dtype {np.asarray(array).dtype}")
+
+
+def _scalar(tensors: Mapping[str, np.ndarray], name: str):
+    values = _values(tensors[name])
+    if values.size != 1:
+        raise UsageError(f"{name} takes one value per request, got {values.size}")
+    return values[0].item()
+
+
+def _strings(tensors: Mapping[str, np.ndarray], name: str) -> list[str]:
+    out = []
+    for value in _values(tensors[name]):
+        if isinstance(value, bytes):
+            try:
+                value = value.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UsageError(f"{name} is not valid UTF-8: {exc}") from None
+        if not isinstance(value, str):
+            raise UsageError(f"{name} must hold strings, got {type(value).__name__}")
+        out.append(value)
+    return out
+
+
+def _string(tensors: Mapping[str, np.ndarray], name: str) -> str:
+    values = _strings(tensors, name)
+    if len(values) != 1:
+        raise UsageError(f"{name} takes one string per request, got {len(values)}")
+    return values[0]

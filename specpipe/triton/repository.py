@@ -1,0 +1,137 @@
+"""Write the Triton model repository for a built deployment (engines/<name>/).
+
+Layout (relocatable: nothing refers outside the model folder):
+
+    <repo>/<model>/config.pbtxt      rendered from a ModelSpec (model_config_pb2 + text_format)
+    <repo>/<model>/1/model.py        copy of specpipe/triton/model_py/model.py, the Python-backend adapter
+    <repo>/<model>/1/engine/...      the deployment: manifest.json, tokenizer/, target/, draft/
+                                     (hard links when on the same filesystem, else copies)
+
+The model is named `ensemble` by default: the model name TensorRT-LLM's Triton clients use.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specpipe.errors import OutputExistsError, UsageError
+from specpipe.triton.model_config import ModelSpec
+from specpipe.triton.protocol import MAX_BATCH_SIZE, SERVED_INPUTS, SERVED_OUTPUTS
+
+MODEL_PY = Path(__file__).parent / "model_py" / "model.py"
+DEFAULT_MODEL_NAME = "ensemble"
+VERSION = "1"
+
+
+class ModelParameters(BaseModel):
+    """The served model's Triton `parameters` (strings in config.pbtxt), read back by model.py."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine_dir: str = Field("engine", description="the deployment, relative to the version folder")
+    engine_threads: int = Field(0, ge=0, description="ONNX Runtime threads per instance; 0 = cores / instances")
+    exclude_input_in_output: bool = Field(
+        True, description="default when a request does not say: return only the generated text (TensorRT-LLM's key)"
+    )
+
+    def to_triton(self) -> dict[str, str]:
+        return {key: str(value).lower() if isinstance(value, bool) else str(value) for key, value in self}
+
+    @classmethod
+    def from_triton(cls, model_config: dict) -> "ModelParameters":
+        """From the model_config JSON Triton hands to model.py's initialize()."""
+        raw = {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()}
+        return cls(**{key: value for key, value in raw.items() if key in cls.model_fields})
+
+    def threads_per_instance(self, instance_count: int, cpu_count: int | None) -> int:
+        """Instances run in parallel (one process each), so by default they share the cores evenly."""
+        return self.engine_threads or max(1, (cpu_count or 1) // max(1, instance_count))
+
+
+def served_model_spec(
+    name: str = DEFAULT_MODEL_NAME, *, instance_count: int = 1, parameters: ModelParameters | None = None
+) -> ModelSpec:
+    """The decoupled Python-backend model with tensorrtllm_backend's inputs and outputs (see protocol.py)."""
+    return ModelSpec(
+        name=name,
+        backend="python",
+        max_batch_size=MAX_BATCH_SIZE,
+        inputs=SERVED_INPUTS,
+        outputs=SERVED_OUTPUTS,
+        decoupled=True,
+        instance_count=instance_count,
+        instance_kind="KIND_CPU",
+        parameters=(parameters or ModelParameters()).to_triton(),
+    )
+
+
+def write_repository(
+    engine_dir: Path,
+    repo_dir: Path,
+    *,
+    instance_count: int = 1,
+    model_name: str = DEFAULT_MODEL_NAME,
+    engine_threads: int = 0,
+    exclude_input_in_output: bool = True,
+    force: bool = False,
+) -> Path:
+    """Write <repo_dir>/<model_name>/ for the deployment in `engine_dir`; returns that model folder.
+
+    Built in a temp folder beside `repo_dir` and renamed into place, so a failure leaves nothing behind
+    (and Triton never sees a half-written model). Other models in `repo_dir` are left alone.
+    """
+    from specpipe.manifest import read_manifest
+
+    engine_dir, repo_dir = Path(engine_dir), Path(repo_dir)
+    read_manifest(engine_dir)  # a clear error now rather than a failed model load in the server
+    if not model_name or "/" in model_name or model_name.startswith("."):
+        raise UsageError(f"model name must be a plain folder name, got {model_name!r}")
+    if instance_count < 1:
+        raise UsageError(f"instance count must be >= 1, got {instance_count}")
+    final = repo_dir / model_name
+    if final.exists() and not force:
+        raise OutputExistsError(f"{final} exists; pass --force to replace it")
+    spec = served_model_spec(
+        model_name,
+        instance_count=instance_count,
+        parameters=ModelParameters(engine_threads=engine_threads, exclude_input_in_output=exclude_input_in_output),
+    )
+
+    repo_dir.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{repo_dir.name}.{model_name}.", dir=repo_dir.resolve().parent))
+    try:
+        model_dir = stage / model_name
+        version_dir = model_dir / VERSION
+        shutil.copytree(engine_dir, version_dir / spec_engine_dir(spec), copy_function=_link_or_copy)
+        shutil.copy2(MODEL_PY, version_dir / "model.py")
+        spec.write(model_dir)
+        if final.exists():
+            old = stage / f"{model_name}.old"
+            final.rename(old)
+            try:
+                model_dir.rename(final)
+            except OSError:
+                old.rename(final)
+                raise
+        else:
+            model_dir.rename(final)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return final
+
+
+def spec_engine_dir(spec: ModelSpec) -> str:
+    return spec.parameters.get("engine_dir", ModelParameters().engine_dir)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard links cost no space; engines are never modified in place (builds write new files)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

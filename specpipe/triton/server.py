@@ -1,0 +1,283 @@
+"""Run a real Triton Inference Server on a model repository: find it, start it, wait for it, stop it.
+
+`tritonserver` comes from PATH (NVIDIA's container) or from the nvidia-pytriton wheel. The wheel needs
+two set-up steps: its `nvidia_pytriton.libs` on LD_LIBRARY_PATH, and the Python-backend stub for this
+interpreter's version copied next to the backend (done once, into specpipe's cache, not into
+site-packages). The stub embeds libpython; putting *this* interpreter's LIBDIR first on
+LD_LIBRARY_PATH makes it load the same Python, so model.py sees the same site-packages (torch,
+onnxruntime, specpipe) as the process that started the server.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from pydantic import Field
+
+from specpipe.config import Strict
+from specpipe.errors import ServerError, UsageError
+
+
+class ServerConfig(Strict):
+    """`specpipe serve`: where the server listens and how long to wait for it."""
+
+    host: str = Field("127.0.0.1", description="address to bind (0.0.0.0 exposes the server)")
+    grpc_port: int = Field(8001, ge=1, le=65535)
+    http_port: int = Field(8000, ge=1, le=65535)
+    metrics_port: int = Field(8002, ge=1, le=65535)
+    ready_timeout_s: float = Field(300.0, gt=0, description="seconds to wait until every model is loaded")
+    exit_timeout_s: int = Field(30, ge=0, description="seconds in-flight requests get to finish at shutdown")
+    log_verbose: int = Field(0, ge=0, description="Triton's --log-verbose level")
+
+
+@dataclass
+class TritonInstall:
+    """A runnable tritonserver: the binary, its backend folder (None = built-in default), extra env."""
+
+    binary: Path
+    backend_dir: Optional[Path] = None
+    env: dict[str, str] = field(default_factory=dict)
+    source: str = "PATH"
+
+
+def find_tritonserver() -> TritonInstall:
+    """tritonserver on PATH first (NVIDIA's container), else the one in the nvidia-pytriton wheel."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return TritonInstall(Path(on_path), env=_python_env())
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError("tritonserver not found: not on PATH and nvidia-pytriton is not installed (pip install nvidia-pytriton)")
+    dist = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    binary, libs = dist / "bin" / "tritonserver", dist.parent.parent / "nvidia_pytriton.libs"
+    if not binary.is_file():
+        raise ServerError(f"the nvidia-pytriton wheel has no tritonserver binary at {binary}")
+    env = _python_env()
+    env["LD_LIBRARY_PATH"] = _path_list(env.get("LD_LIBRARY_PATH"), str(libs))
+    return TritonInstall(binary, _pytriton_backends(dist), env, source=f"nvidia-pytriton wheel ({dist})")
+
+
+def _pytriton_backends(dist: Path) -> Path:
+    """backends/python/ with the wheel's backend library and the stub for this Python, in the cache."""
+    from specpipe.checkpoint.cache import atomic_dir, cache_dir
+
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ServerError(f"nvidia-pytriton has no Python-backend stub for Python {version} ({stub})")
+    key = f"{os.stat(dist / 'bin' / 'tritonserver').st_mtime_ns:x}-py{version}"
+    backends = cache_dir() / "triton-backends" / key
+    if not (backends / "python" / "triton_python_backend_stub").is_file():
+        with atomic_dir(backends) as tmp:
+            shutil.copytree(dist / "backends" / "python", tmp / "python", ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copy2(stub, tmp / "python" / "triton_python_backend_stub")
+    return backends
+
+
+def _python_env() -> dict[str, str]:
+    """Environment that lets the Python-backend stub import what this interpreter imports."""
+    env = {}
+    libdir = sysconfig.get_config_var("LIBDIR")
+    ldlibrary = sysconfig.get_config_var("LDLIBRARY") or ""
+    if libdir and ldlibrary.endswith(".so") and (Path(libdir) / ldlibrary).exists():
+        env["LD_LIBRARY_PATH"] = _path_list(libdir, os.environ.get("LD_LIBRARY_PATH"))
+    # specpipe itself (even when not installed) and a virtualenv's site-packages, which the embedded
+    # interpreter (it only knows its base prefix) would not find.
+    extra = [str(Path(__file__).resolve().parents[2])]
+    if sys.prefix != sys.base_prefix:
+        import site
+
+        extra += site.getsitepackages()
+    env["PYTHONPATH"] = _path_list(*extra, os.environ.get("PYTHONPATH"))
+    return env
+
+
+def _path_list(*parts: Optional[str]) -> str:
+    return os.pathsep.join(p for p in parts if p)
+
+
+class TritonServer:
+    """A tritonserver process serving `repo`. As a context manager: started and ready inside, stopped after.
+
+        with TritonServer(repo, ServerConfig(grpc_port=p1, http_port=p2, metrics_port=p3)) as server:
+            remote_generate(server.url, ...)
+    """
+
+    def __init__(self, repo: Path, config: Optional[ServerConfig] = None, *, log_path: Optional[Path] = None,
+                 install: Optional[TritonInstall] = None):
+        self.repo = Path(repo).resolve()
+        self.config = config or ServerConfig()
+        self.install = install
+        self._own_log = log_path is None
+        self.log_path = Path(log_path) if log_path else None
+        self.process: Optional[subprocess.Popen] = None
+        self.ready_s: Optional[float] = None
+
+    # -- addresses -------------------------------------------------------------------------------
+    @property
+    def _connect_host(self) -> str:
+        return "127.0.0.1" if self.config.host in ("0.0.0.0", "", "::") else self.config.host
+
+    @property
+    def url(self) -> str:
+        """gRPC address, as tritonclient.grpc and `specpipe generate --url` take it."""
+        return f"{self._connect_host}:{self.config.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self._connect_host}:{self.config.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self._connect_host}:{self.config.metrics_port}/metrics"
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def command(self) -> list[str]:
+        cfg, install = self.config, self.install
+        cmd = [
+            str(install.binary),
+            f"--model-repository={self.repo}",
+            f"--grpc-address={cfg.host}", f"--grpc-port={cfg.grpc_port}",
+            f"--http-address={cfg.host}", f"--http-port={cfg.http_port}",
+            f"--metrics-address={cfg.host}", f"--metrics-port={cfg.metrics_port}",
+            "--allow-gpu-metrics=false",
+            f"--exit-timeout-secs={cfg.exit_timeout_s}",
+            f"--log-verbose={cfg.log_verbose}",
+            # Our configs are complete; skipping auto-complete saves one stub launch per model.
+            "--disable-auto-complete-config",
+        ]
+        if install.backend_dir is not None:
+            cmd.append(f"--backend-directory={install.backend_dir}")
+        return cmd
+
+    def start(self) -> "TritonServer":
+        if not self.repo.is_dir():
+            raise UsageError(f"no such model repository: {self.repo}")
+        if not any(p.is_dir() and not p.name.startswith(".") for p in self.repo.iterdir()):
+            raise UsageError(f"{self.repo} holds no models; write one with `specpipe build` (--repo-dir)")
+        self.install = self.install or find_tritonserver()
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"specpipe-triton-{self.config.grpc_port}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        env = {**os.environ, **self.install.env}
+        with open(self.log_path, "wb") as log:
+            # Own session: a Ctrl-C in the terminal reaches us, and we stop the server in order.
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        self._started = time.perf_counter()
+        return self
+
+    def wait_ready(self, timeout: Optional[float] = None) -> float:
+        """Block until every model is loaded; returns seconds since start. Failure: ServerError, server stopped."""
+        timeout = self.config.ready_timeout_s if timeout is None else timeout
+        deadline = self._started + timeout
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerError(f"tritonserver exited with code {code}: {self.failure_reason()}{self._tail_text()}")
+            if self._is_ready():
+                self.ready_s = time.perf_counter() - self._started
+                return self.ready_s
+            if time.perf_counter() > deadline:
+                self.stop()
+                raise ServerError(f"tritonserver was not ready after {timeout:.0f} s: {self.failure_reason()}{self._tail_text()}")
+            time.sleep(0.1)
+
+    def _is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def stop(self, timeout: Optional[float] = None) -> Optional[int]:
+        """SIGTERM (Triton drains in-flight requests for exit_timeout_s), then SIGKILL if it hangs."""
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else None
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=(self.config.exit_timeout_s + 15) if timeout is None else timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        return self.process.returncode
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._own_log and self.log_path is not None and exc[0] is None:
+            self.log_path.unlink(missing_ok=True)
+
+    # -- logs -------------------------------------------------------------------------------------
+    def log_tail(self, lines: int = 15) -> list[str]:
+        if self.log_path is None or not self.log_path.exists():
+            return []
+        with open(self.log_path, errors="replace") as f:
+            return [line.rstrip("\n") for line in deque(f, maxlen=lines)]
+
+    def _tail_text(self) -> str:
+        tail = self.log_tail()
+        return ("\nlast server log lines (" + str(self.log_path) + "):\n  " + "\n  ".join(tail)) if tail else ""
+
+    def failure_reason(self) -> str:
+        """One line saying why the server stopped or is not ready, read from its log."""
+        lines = self.log_tail(400)
+        return failure_reason(lines)
+
+
+# Triton's log lines that appear on every CPU-only start and explain nothing.
+_HARMLESS = re.compile(r"CudaDriverHelper|pinned memory|NVML|DCGM|CUDA driver|cuda_memory_manager|GPU metrics")
+_LOAD_FAILED = re.compile(r"failed to load '(?P<model>[^']+)' version (?P<version>\d+): (?P<why>.*)")
+
+
+def failure_reason(lines: list[str]) -> str:
+    for line in lines:
+        match = _LOAD_FAILED.search(line)
+        if match:
+            # Triton escapes newlines in the quoted message; the first line is the reason.
+            why = match["why"].split("\\n")[0].rstrip('"').strip()
+            return f"model '{match['model']}' failed to load: {why}"
+    for line in lines:
+        if line.startswith("error:"):
+            return line
+    errors = [line for line in lines if line[:1] == "E" and re.match(r"E\d{4} ", line) and not _HARMLESS.search(line)]
+    if errors:
+        return errors[0].split("] ", 1)[-1].strip('"')
+    return next((line for line in reversed(lines) if line.strip()), "no log output")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (for tests and `serve --grpc-port 0`-style use)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

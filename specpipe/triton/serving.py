@@ -1,0 +1,124 @@
+"""One request on a Deployment: request tensors in, response tensors out, one response per decoding step.
+
+Free of Triton imports, so the same code runs in-process (tests) and behind the Python backend, whose
+model.py only converts tensors and sends. Response conventions (TensorRT-LLM's, where it has one):
+- streamed: one response per speculative step that emitted tokens (1..K+1 of them), `text_output` the new
+  text (whole characters only), then a final response with empty text, the totals and `stats_json`;
+- not streamed: one final response with the whole text (prefixed with the prompt when
+  exclude_input_in_output is false, as TensorRT-LLM does).
+Perf outputs (times, acceptance counters) come when the request sets return_perf_metrics; specpipe has no
+paged KV cache, so the kv_cache_* block counters are 0.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Optional
+
+import numpy as np
+from pydantic import ValidationError
+
+from specpipe.errors import UsageError
+from specpipe.spec.generator import Generation, SpecGenerator
+from specpipe.triton.protocol import ServedRequest, check_lengths, parse_request
+
+
+@dataclass
+class Reply:
+    tensors: dict[str, np.ndarray]  # output name -> array with the batch dimension ([1, ...])
+    final: bool
+
+
+class ServedModel:
+    """Wraps a loaded `specpipe.deployment.Deployment`; `replies()` answers one request."""
+
+    def __init__(self, deployment, *, exclude_input_in_output: bool = True):
+        self.deployment = deployment
+        self.exclude_input_in_output = exclude_input_in_output
+
+    def replies(self, tensors: Mapping[str, np.ndarray]) -> Iterator[Reply]:
+        """Validate, then generate. Bad requests raise UsageError before the first reply."""
+        arrival_ns = time.time_ns()
+        request = parse_request(tensors)
+        generator = self._generator(request.end_id)
+        config = self._generation_config(request)
+        prompt_ids = generator.encode(request.prompt, request.chat)
+        check_lengths(len(prompt_ids), config.max_new_tokens, self.deployment.target.max_seq_len)
+        generation = generator.start(prompt_ids, config)
+        clock = _Clock(arrival_ns)
+
+        if request.stream:
+            for chunk in generation:
+                clock.tick()
+                yield Reply(self._tensors(chunk.text, chunk.token_ids, request, generation, clock), final=False)
+            yield Reply(self._final(generation, "", [], request, clock), final=True)
+        else:
+            for _ in generation:
+                clock.tick()
+            result = generation.result
+            exclude = self.exclude_input_in_output if request.exclude_input_in_output is None else request.exclude_input_in_output
+            text = result.text if exclude else request.prompt + result.text
+            yield Reply(self._final(generation, text, result.token_ids, request, clock), final=True)
+
+    def _generator(self, end_id: Optional[int]) -> SpecGenerator:
+        """TensorRT-LLM's end_id replaces the EOS ids for this request (a cheap wrapper, engines are shared)."""
+        deployment = self.deployment
+        if end_id is None or end_id < 0:
+            return deployment.generator
+        if end_id >= deployment.target.vocab_size:
+            raise UsageError(f"end_id {end_id} is outside the vocabulary (size {deployment.target.vocab_size})")
+        return SpecGenerator(deployment.target, deployment.drafter, deployment.tokenizer, [end_id])
+
+    def _generation_config(self, request: ServedRequest):
+        fields = dict(request.config)
+        if request.end_id is not None and request.end_id < 0:
+            fields["stop_on_eos"] = False  # TensorRT-LLM: end_id -1 generates max_tokens regardless of EOS
+        try:
+            return self.deployment.generation_config(**fields)
+        except ValidationError as exc:
+            problems = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()]
+            raise UsageError("bad generation settings: " + "; ".join(problems)) from None
+
+    def _tensors(self, text: str, token_ids: list[int], request: ServedRequest, generation: Generation, clock: "_Clock"):
+        tensors = {
+            "text_output": np.array([[text.encode("utf-8")]], dtype=np.object_),
+            "token_ids": np.array([token_ids], dtype=np.int32).reshape(1, len(token_ids)),
+            "batch_index": np.zeros((1, 1), np.int32),
+            "sequence_index": np.zeros((1, 1), np.int32),
+        }
+        if request.return_perf_metrics:
+            stats = generation.stats
+            tensors.update(
+                kv_cache_alloc_new_blocks=np.zeros((1, 1), np.int32),
+                kv_cache_reused_blocks=np.zeros((1, 1), np.int32),
+                kv_cache_alloc_total_blocks=np.zeros((1, 1), np.int32),
+                arrival_time_ns=np.array([[clock.arrival_ns]], np.int64),
+                first_scheduled_time_ns=np.array([[clock.arrival_ns]], np.int64),
+                first_token_time_ns=np.array([[clock.first_ns or 0]], np.int64),
+                last_token_time_ns=np.array([[clock.last_ns or 0]], np.int64),
+                acceptance_rate=np.array([[stats.acceptance_rate]], np.float32),
+                total_accepted_draft_tokens=np.array([[stats.accepted]], np.int32),
+                total_draft_tokens=np.array([[stats.drafted]], np.int32),
+            )
+        return tensors
+
+    def _final(self, generation: Generation, text, token_ids, request, clock) -> dict[str, np.ndarray]:
+        tensors = self._tensors(text, token_ids, request, generation, clock)
+        stats = {k: v for k, v in generation.result.as_dict().items() if k not in ("text", "token_ids")}
+        tensors["stats_json"] = np.array([[json.dumps(stats).encode()]], dtype=np.object_)
+        return tensors
+
+
+class _Clock:
+    """Wall-clock times of a request, in ns since the epoch (TensorRT-LLM's perf-metric outputs)."""
+
+    def __init__(self, arrival_ns: int):
+        self.arrival_ns = arrival_ns
+        self.first_ns: Optional[int] = None
+        self.last_ns: Optional[int] = None
+
+    def tick(self) -> None:
+        self.last_ns = time.time_ns()
+        self.first_ns = self.first_ns or self.last_ns

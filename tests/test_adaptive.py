@@ -1,0 +1,254 @@
+"""Adaptive draft length: the K policy on a scripted acceptance sequence, the decoder asking for that K,
+a model draft stopping when unsure, and both leaving the output exact (greedy ids, sampled distribution)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from specpipe.config import GenerationConfig, SamplingConfig
+from specpipe.spec.adaptive import AdaptiveDraftLength, FixedDraftLength, draft_length_policy
+from specpipe.spec.decoder import SpeculativeDecoder
+from specpipe.spec.drafters import Drafter, DraftSession, ModelDrafter, Proposal
+from specpipe.spec.ngram import NgramDrafter
+from specpipe.spec.stats import SpecStats
+from specpipe.testing.distribution import chi_square_p, first_two_tokens
+from specpipe.testing.engines import BigramEngine
+
+# ---- the policy alone ----
+
+
+def test_adaptive_k_follows_a_scripted_acceptance_sequence():
+    policy = AdaptiveDraftLength(start=4, max_len=8)
+    script = [  # (drafted, accepted) -> K after it
+        ((4, 4), 6),
+        ((6, 6), 8),
+        ((8, 8), 8),  # capped at max
+        ((8, 3), 7),
+        ((7, 0), 6),
+        ((0, 0), 6),  # nothing drafted (no n-gram match): no evidence, K stays
+        ((2, 2), 8),  # a short draft fully accepted still counts as fully accepted
+        ((8, 7), 7),
+    ]
+    for (drafted, accepted), k_after in script:
+        policy.observe(drafted, accepted)
+        assert policy.k == k_after
+    for _ in range(10):
+        policy.observe(policy.k, 0)
+    assert policy.k == 1  # floor
+
+
+def test_fixed_k_never_moves():
+    policy = FixedDraftLength(5)
+    for drafted, accepted in [(5, 5), (5, 0), (0, 0)]:
+        policy.observe(drafted, accepted)
+        assert policy.k == 5
+
+
+def test_policy_from_config():
+    assert isinstance(draft_length_policy(GenerationConfig()), AdaptiveDraftLength)
+    fixed = draft_length_policy(GenerationConfig(draft_length="fixed", num_draft_tokens=6))
+    assert isinstance(fixed, FixedDraftLength) and fixed.k == 6
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"draft_length": "sometimes"},
+        {"num_draft_tokens": 9, "max_draft_tokens": 8},  # adaptive K would start above its ceiling
+        {"max_draft_tokens": 0},
+        {"min_draft_confidence": 1.5},
+        {"min_draft_confidence": -0.1},
+    ],
+)
+def test_bad_draft_length_settings_are_refused(kwargs):
+    with pytest.raises(ValidationError):
+        GenerationConfig(**kwargs)
+
+
+def test_a_fixed_k_may_exceed_the_adaptive_ceiling():
+    assert GenerationConfig(draft_length="fixed", num_draft_tokens=9, max_draft_tokens=8).num_draft_tokens == 9
+
+
+# ---- the decoder asks for the policy's K ----
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes the target's greedy continuation (all accepted) on good steps, a wrong first token on bad
+    ones; records (k asked, tokens proposed) per step."""
+
+    def __init__(self, target: BigramEngine, good_steps: int):
+        self.target, self.good_steps = target, good_steps
+        self.asked: list[int] = []
+
+    def new_request(self, cfg=None) -> DraftSession:
+        drafter = self
+
+        class Session(DraftSession):
+            def propose(self, context, k, sampling, rng):
+                drafter.asked.append(k)
+                tokens, last = [], context[-1]
+                for _ in range(k):
+                    last = int(drafter.target.table[last].argmax())
+                    tokens.append(last)
+                if len(drafter.asked) > drafter.good_steps:
+                    tokens[0] = (tokens[0] + 1) % drafter.target.vocab_size
+                return Proposal(tokens, None)
+
+        return Session()
+
+
+def _run(decoder, prompt, **cfg):
+    stats = SpecStats()
+    ids = [t for step in decoder.decode(prompt, GenerationConfig(**cfg), stats) for t in step]
+    return ids, stats
+
+
+def test_decoder_asks_for_the_adaptive_k():
+    target = BigramEngine.random(16, seed=0)
+    drafter = ScriptedDrafter(target, good_steps=3)
+    ids, _ = _run(SpeculativeDecoder(target, drafter), [1], max_new_tokens=200)
+    assert drafter.asked[:12] == [4, 6, 8, 8, 7, 6, 5, 4, 3, 2, 1, 1]
+    assert ids == _run(SpeculativeDecoder(target, None), [1], max_new_tokens=200)[0]
+
+
+def test_num_draft_tokens_fixes_k():
+    target = BigramEngine.random(16, seed=0)
+    drafter = ScriptedDrafter(target, good_steps=3)
+    _run(SpeculativeDecoder(target, drafter), [1], max_new_tokens=200, draft_length="fixed", num_draft_tokens=3)
+    assert set(drafter.asked[:-2]) == {3}  # the last steps are cut to the tokens left to emit
+
+
+# ---- a model draft stops when unsure ----
+
+
+def _flat(vocab):
+    return BigramEngine(np.zeros((vocab, vocab)))  # every row uniform: top probability 1/V
+
+
+def _peaked(vocab, seed):
+    return BigramEngine.random(vocab, seed=seed, scale=30.0)  # top probability ~1
+
+
+def test_unsure_model_draft_proposes_one_token_per_step():
+    target = BigramEngine.random(16, seed=0)
+    _, stats = _run(SpeculativeDecoder(target, ModelDrafter(_flat(16), 16)), [1], max_new_tokens=60)
+    # One token each step (1/16 < 0.4: stop after the first); the last step drafts nothing (no room).
+    assert stats.drafted_at == [stats.steps - 1]
+
+
+def test_fixed_k_drafts_all_k_even_when_unsure():
+    target = BigramEngine.random(16, seed=0)
+    _, stats = _run(
+        SpeculativeDecoder(target, ModelDrafter(_flat(16), 16)), [1], max_new_tokens=60, draft_length="fixed"
+    )
+    assert len(stats.drafted_at) == 4 and stats.drafted_at[3] >= stats.steps - 4
+
+
+def test_confident_model_draft_grows_k_to_the_ceiling():
+    target = _peaked(16, seed=0)
+    draft_engine = _peaked(16, seed=0)
+    _, stats = _run(SpeculativeDecoder(target, ModelDrafter(draft_engine, 16)), [1], max_new_tokens=200)
+    assert stats.acceptance_rate == 1.0
+    assert len(stats.drafted_at) == 8 and stats.drafted_at[7] >= stats.steps - 3
+
+
+@pytest.mark.parametrize("min_confidence", [0.0, 0.4, 0.9])
+@pytest.mark.parametrize("noise", [0.5, 3.0])
+def test_greedy_equivalence_with_adaptive_k(min_confidence, noise):
+    target = BigramEngine.random(32, seed=5, scale=2.0)
+    drafter = ModelDrafter(target.perturbed(noise, seed=6), 32)
+    prompt = list(np.random.default_rng(7).integers(0, 32, size=20))
+    baseline, _ = _run(SpeculativeDecoder(target, None), prompt, max_new_tokens=120)
+    spec, stats = _run(SpeculativeDecoder(target, drafter), prompt, max_new_tokens=120, min_draft_confidence=min_confidence)
+    assert spec == baseline
+    assert stats.drafted > 0
+
+
+# ---- the exact distribution with early stopping ----
+
+P_TABLE = np.array(
+    [
+        [0.05, 0.50, 0.20, 0.15, 0.10],
+        [0.10, 0.05, 0.35, 0.30, 0.20],
+        [0.40, 0.10, 0.10, 0.20, 0.20],
+        [0.20, 0.20, 0.20, 0.20, 0.20],
+        [0.30, 0.30, 0.10, 0.10, 0.20],
+    ]
+)
+# The draft is sure after tokens 0, 2 and 4 (top probability >= 0.5) and unsure after 1 and 3, so at
+# min_draft_confidence 0.45 the draft length depends on what was drafted: early stopping really happens.
+Q_TABLE = np.array(
+    [
+        [0.10, 0.60, 0.10, 0.10, 0.10],
+        [0.25, 0.15, 0.30, 0.15, 0.15],
+        [0.70, 0.05, 0.05, 0.10, 0.10],
+        [0.20, 0.20, 0.20, 0.20, 0.20],
+        [0.10, 0.10, 0.10, 0.10, 0.60],
+    ]
+)
+CONTEXT = [0, 1, 2, 0]
+RUNS = 20_000
+
+
+class RecordingDrafter(Drafter):
+    def __init__(self, inner: Drafter):
+        self.inner, self.lengths = inner, []
+
+    def new_request(self, cfg=None) -> DraftSession:
+        session, lengths = self.inner.new_request(cfg), self.lengths
+
+        class Recording(DraftSession):
+            def propose(self, context, k, sampling, rng):
+                proposal = session.propose(context, k, sampling, rng)
+                lengths.append(len(proposal.tokens))
+                return proposal
+
+        return Recording()
+
+
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
+def test_adaptive_drafting_emits_the_target_distribution(drafter_kind):
+    target = BigramEngine(np.log(P_TABLE))
+    inner = ModelDrafter(BigramEngine(np.log(Q_TABLE)), 5) if drafter_kind == "model" else NgramDrafter()
+    drafter = RecordingDrafter(inner)
+    cfg = GenerationConfig(sampling=SamplingConfig(temperature=1.0), num_draft_tokens=4, min_draft_confidence=0.45)
+    samples = first_two_tokens(SpeculativeDecoder(target, drafter), CONTEXT, cfg, RUNS)
+    if drafter_kind == "model":
+        assert {1, 2, 3, 4} <= set(drafter.lengths), "early stopping must have cut drafts at several lengths"
+    first, second = samples[:, 0], samples[:, 1]
+    p_values = [chi_square_p(np.bincount(first, minlength=5), P_TABLE[CONTEXT[-1]])]
+    for token in range(5):
+        given = second[first == token]
+        if len(given) >= 1000:
+            p_values.append(chi_square_p(np.bincount(given, minlength=5), P_TABLE[token]))
+    assert len(p_values) >= 4
+    assert min(p_values) > 1e-3, p_values
+
+
+# ---- on real (tiny) ONNX Runtime engines ----
+
+
+@pytest.mark.parametrize("min_confidence", [0.0, 0.4, 0.9])
+def test_adaptive_greedy_equivalence_on_tiny_onnx_engines(tiny_build, min_confidence):
+    from specpipe.deployment import load_deployment
+
+    deployment = load_deployment(tiny_build, threads=1)
+    for prompt in ["def add(a, b):", "The quick brown fox"]:
+        base = deployment.generator.generate(prompt, GenerationConfig(max_new_tokens=40, speculative=False, stop_on_eos=False))
+        spec = deployment.generator.generate(
+            prompt, GenerationConfig(max_new_tokens=40, stop_on_eos=False, min_draft_confidence=min_confidence)
+        )
+        assert spec.token_ids == base.token_ids
+        assert spec.stats.drafted > 0
+
+
+def test_a_self_draft_grows_k_to_the_ceiling_on_tiny_onnx_engines(tiny_self_build):
+    from specpipe.deployment import load_deployment
+
+    deployment = load_deployment(tiny_self_build, threads=1)
+    result = deployment.generator.generate("def add(a, b):", GenerationConfig(max_new_tokens=60, stop_on_eos=False,
+                                                                             min_draft_confidence=0.0))
+    assert result.stats.acceptance_rate == 1.0
+    assert len(result.stats.drafted_at) == 8  # 4 -> 6 -> 8

@@ -1,0 +1,306 @@
+"""The Triton repository without a server: config.pbtxt through protobuf, upstream tensor compatibility,
+request validation, repository layout and atomicity, and reading the server's failure from its log."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from specpipe.errors import EngineError, OutputExistsError, UsageError
+from specpipe.triton import ModelSpec, TensorSpec, parse_config, read_config, served_model_spec, write_repository
+from specpipe.triton.model_config import DynamicBatching, EnsembleStep
+from specpipe.triton.protocol import EXTENSION_INPUTS, EXTENSION_OUTPUTS, parse_request
+from specpipe.triton.repository import ModelParameters
+from specpipe.triton.server import failure_reason
+
+# Inputs and outputs of tensorrtllm_backend all_models/inflight_batcher_llm/tensorrt_llm_bls/config.pbtxt at
+# commit c2e65b88d85255be30cf50440a91662abeb497dd, parsed with model_config_pb2 and printed one per line
+# (the ${...} template values filled in; context/generation_logits take ${logits_datatype}, FP32 here).
+UPSTREAM_BLS_IO = """
+input {name: "text_input" data_type: TYPE_STRING dims: 1}
+input {name: "decoder_text_input" data_type: TYPE_STRING dims: 1 optional: true}
+input {name: "image_input" data_type: TYPE_FP16 dims: -1 dims: 3 dims: -1 dims: -1 optional: true}
+input {name: "image_bytes_input" data_type: TYPE_UINT8 dims: -1 dims: -1 dims: -1 dims: -1 optional: true}
+input {name: "image_url_input" data_type: TYPE_STRING dims: 1 optional: true}
+input {name: "video_bytes_input" data_type: TYPE_UINT8 dims: -1 dims: -1 dims: -1 dims: -1 optional: true}
+input {name: "max_tokens" data_type: TYPE_INT32 dims: 1}
+input {name: "bad_words" data_type: TYPE_STRING dims: -1 optional: true}
+input {name: "stop_words" data_type: TYPE_STRING dims: -1 optional: true}
+input {name: "exclude_input_in_output" data_type: TYPE_BOOL dims: 1 optional: true}
+input {name: "end_id" data_type: TYPE_INT32 dims: 1 optional: true}
+input {name: "pad_id" data_type: TYPE_INT32 dims: 1 optional: true}
+input {name: "top_k" data_type: TYPE_INT32 dims: 1 optional: true}
+input {name: "top_p" data_type: TYPE_FP32 dims: 1 optional: true}
+input {name: "temperature" data_type: TYPE_FP32 dims: 1 optional: true}
+input {name: "length_penalty" data_type: TYPE_FP32 dims: 1 optional: true}
+input {name: "repetition_penalty" data_type: TYPE_FP32 dims: 1 optional: true}
+input {name: "min_tokens" data_type: TYPE_INT32 dims: 1 optional: true}
+input {name: "presence_penalty" data_type: TYPE_FP32 dims: 1 optional: true}
+input {name: "frequency_penalty" data_type: TYPE_FP32 dims: 1 optional: true}
+input {name: "seed" data_type: TYPE_UINT64 dims: 1 optional: true}
+input {name: "return_log_probs" data_type: TYPE_BOOL dims: 1 reshape { } optional: true}
+input {name: "return_context_logits" data_type: TYPE_BOOL dims: 1 reshape { } optional: true}
+input {name: "return_generation_logits" data_type: TYPE_BOOL dims: 1 reshape { } optional: true}
+input {name: "num_return_sequences" data_type: TYPE_INT32 dims: 1 reshape { } optional: true}
+input {name: "beam_width" data_type: TYPE_INT32 dims: 1 optional: true}
+input {name: "stream" data_type: TYPE_BOOL dims: 1 optional: true}
+input {name: "prompt_embedding_table" data_type: TYPE_FP16 dims: -1 dims: -1 optional: true}
+input {name: "prompt_vocab_size" data_type: TYPE_INT32 dims: 1 optional: true}
+input {name: "prompt_table_extra_id" data_type: TYPE_UINT64 dims: 1 optional: true}
+input {name: "embedding_bias_words" data_type: TYPE_STRING dims: -1 optional: true}
+input {name: "embedding_bias_weights" data_type: TYPE_FP32 dims: -1 optional: true}
+input {name: "num_draft_tokens" data_type: TYPE_INT32 dims: 1 optional: true}
+input {name: "use_draft_logits" data_type: TYPE_BOOL dims: 1 reshape { } optional: true}
+input {name: "lora_task_id" data_type: TYPE_UINT64 dims: 1 reshape { } optional: true}
+input {name: "lora_weights" data_type: TYPE_FP16 dims: -1 dims: -1 allow_ragged_batch: true optional: true}
+input {name: "lora_config" data_type: TYPE_INT32 dims: -1 dims: 3 allow_ragged_batch: true optional: true}
+input {name: "return_perf_metrics" data_type: TYPE_BOOL dims: 1 reshape { } optional: true}
+input {name: "guided_decoding_guide_type" data_type: TYPE_STRING dims: 1 optional: true}
+input {name: "guided_decoding_guide" data_type: TYPE_STRING dims: 1 optional: true}
+output {name: "text_output" data_type: TYPE_STRING dims: -1}
+output {name: "cum_log_probs" data_type: TYPE_FP32 dims: -1}
+output {name: "output_log_probs" data_type: TYPE_FP32 dims: -1 dims: -1}
+output {name: "context_logits" data_type: TYPE_FP32 dims: -1 dims: -1}
+output {name: "generation_logits" data_type: TYPE_FP32 dims: -1 dims: -1 dims: -1}
+output {name: "batch_index" data_type: TYPE_INT32 dims: 1}
+output {name: "sequence_index" data_type: TYPE_INT32 dims: 1}
+output {name: "kv_cache_alloc_new_blocks" data_type: TYPE_INT32 dims: 1}
+output {name: "kv_cache_reused_blocks" data_type: TYPE_INT32 dims: 1}
+output {name: "kv_cache_alloc_total_blocks" data_type: TYPE_INT32 dims: 1}
+output {name: "arrival_time_ns" data_type: TYPE_INT64 dims: 1}
+output {name: "first_scheduled_time_ns" data_type: TYPE_INT64 dims: 1}
+output {name: "first_token_time_ns" data_type: TYPE_INT64 dims: 1}
+output {name: "last_token_time_ns" data_type: TYPE_INT64 dims: 1}
+output {name: "acceptance_rate" data_type: TYPE_FP32 dims: 1}
+output {name: "total_accepted_draft_tokens" data_type: TYPE_INT32 dims: 1}
+output {name: "total_draft_tokens" data_type: TYPE_INT32 dims: 1}
+"""
+MULTIMODAL = {"image_input", "image_bytes_input", "image_url_input", "video_bytes_input"}
+
+
+def test_served_config_round_trips_through_text_format(tmp_path):
+    spec = served_model_spec("ensemble", instance_count=3, parameters=ModelParameters(engine_threads=1))
+    path = spec.write(tmp_path / "ensemble")
+    parsed = read_config(tmp_path / "ensemble")
+    assert parsed == spec.to_proto()
+    assert text_format.MessageToString(parsed) == path.read_text()
+    assert parsed.backend == "python" and parsed.model_transaction_policy.decoupled
+    assert parsed.max_batch_size == 1  # clients send [1, 1] per scalar, as to TensorRT-LLM
+    assert [(g.count, mc.ModelInstanceGroup.Kind.Name(g.kind)) for g in parsed.instance_group] == [(3, "KIND_CPU")]
+    assert {k: v.string_value for k, v in parsed.parameters.items()} == {
+        "engine_dir": "engine", "engine_threads": "1", "exclude_input_in_output": "true"
+    }
+    assert ModelParameters.from_triton(json.loads(_as_json(parsed))) == ModelParameters(engine_threads=1)
+
+
+def _as_json(proto) -> str:
+    from google.protobuf.json_format import MessageToJson
+
+    return MessageToJson(proto, preserving_proto_field_name=True)
+
+
+def test_served_tensors_match_tensorrtllm_bls_exactly():
+    upstream = text_format.Parse(UPSTREAM_BLS_IO, mc.ModelConfig())
+    served = served_model_spec().to_proto()
+    served_inputs = {t.name: t for t in served.input}
+    served_outputs = {t.name: t for t in served.output}
+    for tensor in upstream.input:
+        if tensor.name not in MULTIMODAL:
+            assert served_inputs.pop(tensor.name) == tensor, tensor.name
+    for tensor in upstream.output:
+        assert served_outputs.pop(tensor.name) == tensor, tensor.name
+    # What is left are specpipe's additions: all optional, so a TRT-LLM client never has to send them.
+    assert set(served_inputs) == {"random_seed"} | {t.name for t in EXTENSION_INPUTS}
+    assert all(t.optional for t in served_inputs.values())
+    assert set(served_outputs) == {t.name for t in EXTENSION_OUTPUTS}
+
+
+def test_model_spec_renders_tensorrtllm_style_models():
+    """What issue 7's writer needs: parameters, GPU instances, dynamic batching, an ensemble's wiring."""
+    trtllm = ModelSpec(
+        name="tensorrt_llm", backend="tensorrtllm", max_batch_size=64, decoupled=True,
+        inputs=(TensorSpec(name="input_ids", data_type="INT32", dims=(-1,), allow_ragged_batch=True),),
+        outputs=(TensorSpec(name="output_ids", data_type="INT32", dims=(-1, -1)),),
+        instance_kind="KIND_GPU", instance_gpus=(0, 1),
+        parameters={"gpt_model_path": "/engines/target", "batching_strategy": "inflight_fused_batching"},
+        dynamic_batching=DynamicBatching(preferred_batch_size=(64,), max_queue_delay_microseconds=100, max_queue_size=0),
+    )
+    parsed = parse_config(trtllm.render())
+    assert parsed == trtllm.to_proto()
+    assert list(parsed.instance_group[0].gpus) == [0, 1]
+    assert parsed.parameters["gpt_model_path"].string_value == "/engines/target"
+    assert list(parsed.dynamic_batching.preferred_batch_size) == [64]
+    assert parsed.dynamic_batching.HasField("default_queue_policy")
+
+    ensemble = ModelSpec(
+        name="ensemble", platform="ensemble", max_batch_size=64, instance_count=None,
+        inputs=(TensorSpec(name="text_input", data_type="STRING", dims=(1,)),),
+        outputs=(TensorSpec(name="text_output", data_type="STRING", dims=(-1,)),),
+        ensemble_steps=(
+            EnsembleStep(model_name="preprocessing", input_map={"QUERY": "text_input"}, output_map={"INPUT_ID": "_INPUT_ID"}),
+            EnsembleStep(model_name="tensorrt_llm", input_map={"input_ids": "_INPUT_ID"}, output_map={"output_ids": "_TOKENS"}),
+        ),
+    )
+    parsed = parse_config(ensemble.render())
+    assert parsed == ensemble.to_proto()
+    assert not parsed.instance_group
+    assert [s.model_name for s in parsed.ensemble_scheduling.step] == ["preprocessing", "tensorrt_llm"]
+    assert parsed.ensemble_scheduling.step[0].input_map["QUERY"] == "text_input"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"backend": "python", "platform": "ensemble"}, "exactly one of backend or platform"),
+        ({"backend": "python", "inputs": (TensorSpec(name="a", data_type="INT32", dims=(1,)),) * 2}, "duplicate input"),
+        ({"platform": "ensemble"}, "ensemble_steps"),
+    ],
+)
+def test_model_spec_refuses_inconsistent_models(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ModelSpec(name="m", **kwargs)
+
+
+def test_tensor_spec_refuses_unknown_types():
+    with pytest.raises(ValueError, match="unknown Triton data type"):
+        TensorSpec(name="x", data_type="FLOAT", dims=(1,))
+
+
+def test_parse_config_refuses_unknown_fields():
+    with pytest.raises(text_format.ParseError):
+        parse_config('name: "m"\nbackend: "python"\ndecoupled: true\n')
+
+
+# -- requests ---------------------------------------------------------------------------------------
+
+def _request(**values) -> dict[str, np.ndarray]:
+    """A request as the Python backend hands it over: arrays with the batch dimension."""
+    dtypes = {str: np.object_, bool: bool, int: np.int32, float: np.float32}
+    tensors = {"text_input": np.array([[b"def add(a, b):"]], dtype=np.object_), "max_tokens": np.array([[16]], np.int32)}
+    for name, value in values.items():
+        if value is None:
+            tensors.pop(name, None)
+        elif isinstance(value, np.ndarray):
+            tensors[name] = value
+        else:
+            value = value.encode() if isinstance(value, str) else value
+            tensors[name] = np.array([[value]], dtype=dtypes[type(value) if not isinstance(value, bytes) else str])
+    return tensors
+
+
+def test_parse_request_maps_tensorrt_llm_inputs_to_a_generation_config():
+    request = parse_request(_request(
+        temperature=0.5, top_k=7, top_p=0.0, seed=np.array([[42]], np.uint64), num_draft_tokens=3, stream=True,
+        stop_words=np.array([[b"\n\n", b"", b"END"]], dtype=np.object_), return_perf_metrics=True, end_id=2,
+        beam_width=1, repetition_penalty=1.0, pad_id=0, exclude_input_in_output=False, use_draft_logits=True,
+    ))
+    assert request.prompt == "def add(a, b):"
+    assert request.config == {
+        "max_new_tokens": 16, "seed": 42, "stop": ["\n\n", "END"],
+        "sampling": {"temperature": 0.5, "top_k": 7, "top_p": 1.0},  # top_p 0 = off, as in TensorRT-LLM
+        "speculative": True, "num_draft_tokens": 3, "draft_length": "fixed",
+    }
+    assert (request.stream, request.return_perf_metrics, request.end_id, request.exclude_input_in_output) == (
+        True, True, 2, False)
+    assert parse_request(_request(num_draft_tokens=0)).config["speculative"] is False
+    assert parse_request(_request(random_seed=np.array([[7]], np.uint64))).config["seed"] == 7
+
+
+def test_parse_request_takes_a_generation_config_as_the_base():
+    base = {"max_new_tokens": 99, "num_draft_tokens": 2, "draft_length": "adaptive", "sampling": {"temperature": 0.7}}
+    request = parse_request(_request(generation_config=json.dumps(base), max_tokens=np.array([[5]], np.int32)))
+    assert request.config == {**base, "max_new_tokens": 5}  # the TensorRT-LLM tensor wins
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"text_input": None}, "missing required input 'text_input'"),
+        ({"text_input": ""}, "text_input is empty"),
+        ({"text_input": np.array([[b"\xff\xfe"]], dtype=np.object_)}, "not valid UTF-8"),
+        ({"max_tokens": None}, "missing required input 'max_tokens'"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"max_tokens": -5}, "max_tokens must be >= 1, got -5"),
+        ({"max_tokens": 2.0}, "'max_tokens' must be TYPE_INT32"),
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"temperature": float("nan")}, "temperature must be >= 0"),
+        ({"top_p": 1.5}, "top_p must be in"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+        ({"num_draft_tokens": -1}, "num_draft_tokens must be >= 0"),
+        ({"stop_words": np.array([[1, 2]], np.int32)}, "'stop_words' must be TYPE_STRING"),
+        ({"beam_width": 4}, "beam_width must be 1"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty is not supported"),
+        ({"return_log_probs": True}, "return_log_probs is not supported"),
+        ({"lora_task_id": np.array([[3]], np.uint64)}, "LoRA is not supported"),
+        ({"max_tokens": np.array([[1, 2]], np.int32)}, "max_tokens takes one value per request, got 2"),
+        ({"generation_config": "{not json"}, "generation_config is not valid JSON"),
+        ({"frobnicate": True}, "unknown input 'frobnicate'"),
+    ],
+)
+def test_parse_request_refuses_bad_requests_with_the_reason(values, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        parse_request(_request(**values))
+
+
+# -- repository on disk ------------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_build(tmp_path):
+    """Just enough of engines/<name>/ for the writer (it does not open engines)."""
+    build = tmp_path / "engines" / "tiny"
+    (build / "target").mkdir(parents=True)
+    (build / "manifest.json").write_text(json.dumps({"format": 1, "name": "tiny"}))
+    (build / "target" / "model.onnx").write_bytes(b"\0" * 1024)
+    return build
+
+
+def test_write_repository_layout_links_and_force(fake_build, tmp_path):
+    repo = tmp_path / "triton_repo"
+    repo.mkdir()
+    (repo / "README.md").write_text("kept")
+    model_dir = write_repository(fake_build, repo, instance_count=2, model_name="ensemble")
+    assert model_dir == repo / "ensemble"
+    assert (model_dir / "1" / "model.py").read_text().startswith('"""Triton Python-backend model')
+    engine = model_dir / "1" / "engine"
+    assert json.loads((engine / "manifest.json").read_text())["name"] == "tiny"
+    # same filesystem: hard links, no second copy of the weights
+    assert os.stat(engine / "target" / "model.onnx").st_ino == os.stat(fake_build / "target" / "model.onnx").st_ino
+    assert read_config(model_dir).instance_group[0].count == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engines", "triton_repo"]  # no staging left behind
+
+    with pytest.raises(OutputExistsError, match="pass --force"):
+        write_repository(fake_build, repo, instance_count=1)
+    assert read_config(model_dir).instance_group[0].count == 2  # untouched
+
+    write_repository(fake_build, repo, instance_count=1, force=True)
+    assert read_config(model_dir).instance_group[0].count == 1
+    assert (repo / "README.md").read_text() == "kept"
+    assert sorted(p.name for p in repo.iterdir()) == ["README.md", "ensemble"]
+
+
+def test_write_repository_refuses_a_folder_that_is_not_a_build(tmp_path):
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(EngineError, match="not a specpipe build"):
+        write_repository(tmp_path / "nothing", tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()
+
+
+def test_failure_reason_names_the_model_and_the_first_line_of_why():
+    log = [
+        'E1122 04:21:08.789733 8729 server.cc:241] "CudaDriverHelper has not been initialized."',
+        "E1122 04:21:08.885947 8729 model_lifecycle.cc:642] \"failed to load 'ensemble' version 1: Internal: "
+        "TritonModelException: cannot load /r/ensemble/1/engine: EngineError: bad onnx\\n\\nAt:\\n  model.py(40)\"",
+        "error: creating server: Internal - failed to load all models",
+    ]
+    assert failure_reason(log) == (
+        "model 'ensemble' failed to load: Internal: TritonModelException: cannot load /r/ensemble/1/engine: "
+        "EngineError: bad onnx"
+    )
+    assert failure_reason(log[:1] + log[2:]) == "error: creating server: Internal - failed to load all models"
+    port_taken = "E1122 04:30:00.1 1 main.cc:255] failed to start GRPC service: Unavailable - Socket '127.0.0.1:8001' already in use"
+    assert failure_reason(log[:1] + [port_taken]) == port_taken.split("] ", 1)[1]
