@@ -23,6 +23,7 @@ from specpipe.export.onnx import check_export, export_onnx
 from specpipe.manifest import file_hashes, library_versions, now_iso, write_manifest
 
 Progress = Callable[[str], None]
+SERVED_MODEL = "ensemble"  # the model name TensorRT-LLM's Triton clients ask for by default
 
 
 def default_name(target: str, draft: str) -> str:
@@ -36,13 +37,15 @@ def default_name(target: str, draft: str) -> str:
 
 def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     """Build engines/<name>/ (and the Triton repository when cfg.repo_dir is set). Returns the folder."""
-    from specpipe.checkpoint import check_pair, load_tokenizer, resolve_checkpoint, tokenizer_hash
+    from specpipe.checkpoint import check_pair, inspect_checkpoint, load_tokenizer, resolve_checkpoint, tokenizer_hash
 
     say = progress or (lambda msg: None)
     name = cfg.name or default_name(cfg.target, cfg.draft)
     final = Path(cfg.engines_dir) / name
     if final.exists() and not cfg.force:
         raise OutputExistsError(f"{final} exists; pass --force to replace it")
+    if cfg.repo_dir is not None and (Path(cfg.repo_dir) / SERVED_MODEL).exists() and not cfg.force:
+        raise OutputExistsError(f"{Path(cfg.repo_dir) / SERVED_MODEL} exists; pass --force to replace it")
     started = time.perf_counter()
 
     say(f"resolving target {cfg.target}")
@@ -74,7 +77,7 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
                 "versions": library_versions(),
                 "build": json.loads(cfg.model_dump_json()),
                 "tokenizer": {"path": "tokenizer", "hash": tokenizer_hash(tokenizer)},
-                "eos_token_ids": _eos_token_ids(target.path, tokenizer),
+                "eos_token_ids": sorted(inspect_checkpoint(target.path).eos_token_ids),
                 "max_draft_len": cfg.max_draft_len,
                 "target": target_entry,
                 "draft": {"kind": "model", **draft_entry},
@@ -82,6 +85,12 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
             },
         )
     say(f"wrote {final} in {time.perf_counter() - started:.1f} s")
+    if cfg.repo_dir is not None:
+        from specpipe.triton.repository import write_repository
+
+        model_dir = write_repository(final, Path(cfg.repo_dir), instance_count=cfg.triton_instances,
+                                     model_name=SERVED_MODEL, force=True)
+        say(f"wrote the Triton model repository {model_dir}")
     return final
 
 
@@ -102,7 +111,7 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, say: Progress, timings: dic
         vocab_size=info.vocab_size,
         num_layers=info.num_layers,
         num_kv_heads=info.num_kv_heads,
-        head_dim=info.hidden_size // info.num_heads,
+        head_dim=info.head_dim,
         max_seq_len=min(int(info.max_position_embeddings or 2048), 8192),
         quant="none",
         ort_optimized=True,
@@ -124,17 +133,6 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, say: Progress, timings: dic
         "engine": {"path": out.name, "backend": "onnxruntime", "quant": "none", "files": file_hashes(out)},
         "export_check": {"max_abs_diff": max_abs_diff, "tolerance": cfg.export_tolerance},
     }
-
-
-def _eos_token_ids(checkpoint: Path, tokenizer) -> list[int]:
-    ids = set()
-    gen_cfg = Path(checkpoint) / "generation_config.json"
-    if gen_cfg.is_file():
-        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(int(i) for i in ids)
 
 
 def _link_or_copy(src: str, dst: str) -> None:

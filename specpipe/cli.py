@@ -28,6 +28,7 @@ from specpipe.commands.generate import generate; cli.add_command(generate)  # no
 from specpipe.commands.inspect import inspect; cli.add_command(inspect)  # noqa: E402,E702
 from specpipe.commands.serve import serve; cli.add_command(serve)  # noqa: E402,E702
 from specpipe.commands.validate import validate; cli.add_command(validate)  # noqa: E402,E702
+from specpipe.commands.distill import distill; cli.add_command(distill)  # noqa: E402,E702
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -63,6 +63,7 @@ class BuildConfig(Strict):
     engines_dir: Path = Path("engines")
     repo_dir: Optional[Path] = Field(Path("triton_repo"), description="Triton model repository to write; None = none")
     max_draft_len: int = Field(8, ge=1, le=64, description="largest K the engines are built for")
+    triton_instances: int = Field(1, ge=1, description="Triton model instances: requests served in parallel")
     force: bool = False
     allow_pickle: bool = False
     threads: int = Field(2, ge=1, description="ONNX Runtime intra-op threads")
@@ -88,7 +89,7 @@ _GATE_PROMPTS = [
     "Once upon a time, in a small village,",
     "Write a Python function that reverses a string.",
 ]
-_GATE_CONTEXTS = ["def add(a, b):\n    return", "The quick brown fox jumps over the"]
+_GATE_CONTEXTS = ["The capital of France is", "import numpy as"]  # uncertain next token, not flat
 
 
 class GateGreedyConfig(Strict):
@@ -117,6 +118,7 @@ class GateDistributionConfig(Strict):
     alpha: float = Field(1e-3, gt=0.0, lt=1.0, description="family-wise false-alarm rate (Bonferroni over all tests)")
     power: float = Field(0.99, gt=0.0, lt=1.0, description="probability of detecting an error of size tv")
     min_expected: float = Field(5.0, gt=0.0, description="bins expecting fewer samples are pooled")
+    max_bins: int = Field(32, ge=2, description="most effective bins per test (likeliest tokens; the rest pooled)")
     max_samples: int = Field(60000, ge=10, description="cap on in-process samples per (context, temperature)")
     server_samples: int = Field(1500, ge=10, description="samples per (context, temperature) through a server")
     planted_replicates: int = Field(200, ge=1, description="replicates of the planted wrong sampler")
@@ -182,6 +184,74 @@ class GateConfig(Strict):
     quantization: GateQuantizationConfig = Field(default_factory=GateQuantizationConfig)
     latency: GateLatencyConfig = Field(default_factory=GateLatencyConfig)
     robustness: GateRobustnessConfig = Field(default_factory=GateRobustnessConfig)
+
+
+DistillData = Literal["answers", "stdlib"]
+
+
+class DistillConfig(Strict):
+    """`specpipe distill`: train a small draft for a target on CPU, toward the target's next-token distribution.
+
+    The time budget covers both phases: generating the target's answers to training prompts (a share
+    `data_fraction`, skipped when cached answers already used it) and training on them.
+    """
+
+    target: str
+    out: Path
+    layers: int = Field(4, ge=1, le=64, description="decoder layers of the draft")
+    width: int = Field(
+        256, ge=0, description="hidden size of the draft; 0 = the target's (its embedding, head and layers are copied)"
+    )
+    minutes: float = Field(12.0, gt=0, description="time budget in minutes: target answers + training")
+    data_fraction: float = Field(0.45, ge=0.0, lt=1.0, description="share of --minutes for generating target answers")
+    seed: int = 0
+    data: list[DistillData] = Field(
+        default_factory=lambda: ["answers"], min_length=1,
+        description="answers: the target's own answers to training prompts; stdlib: Python standard library source",
+    )
+    prompts: Optional[Path] = Field(None, description='extra training prompts, JSONL lines with {"prompt": ...}')
+    max_answer_tokens: int = Field(160, ge=8, description="longest target answer generated for training")
+    answer_batch: int = Field(48, ge=1, description="prompts the target answers at once")
+    sample_temperature: float = Field(0.7, gt=0.0, description="temperature of answers after the greedy first pass")
+    teacher_top_k: int = Field(32, ge=1, description="target probabilities kept per position")
+    teacher_dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="precision the target answers in")
+    lr: float = Field(2e-3, gt=0.0, description="peak learning rate (AdamW, cosine over the budget)")
+    batch_tokens: int = Field(4096, ge=64, description="tokens per training step")
+    negatives: int = Field(2048, ge=0, description="random vocabulary entries scored with the teacher's top-k each step")
+    checkpoint_every: int = Field(50, ge=1, description="steps between saved training states (for --resume)")
+    resume: bool = Field(False, description="continue a stopped run from OUT's saved training state")
+    force: bool = Field(False, description="replace an existing OUT")
+    threads: int = Field(2, ge=1, description="torch threads")
+
+
+BenchPromptSet = Literal["code", "chat", "grounded"]
+
+
+class BenchConfig(Strict):
+    """`specpipe bench`: target-only, speculative K=1..8 (and adaptive K), and transformers' assisted
+    generation on the same pair, prompts and settings, in one run."""
+
+    engine_dir: Path
+    prompts: list[Path] = Field(default_factory=list, description="JSONL prompt files ({\"prompt\": ...} per line)")
+    prompt_sets: list[BenchPromptSet] = Field(
+        default_factory=list, description="packaged prompt sets; code and chat when neither these nor --prompts are given"
+    )
+    draft_lengths: list[int] = Field(default_factory=lambda: list(range(1, 9)), min_length=1,
+                                     description="fixed K values to run")
+    adaptive: bool = Field(True, description="also run the default adaptive draft length")
+    peer: bool = Field(True, description="also run transformers assisted generation on the torch checkpoints")
+    max_new_tokens: int = Field(128, ge=1)
+    threads: int = Field(2, ge=1, description="ONNX Runtime intra-op threads and torch threads")
+    chat: bool = Field(True, description="apply the tokenizer's chat template to each prompt")
+    max_prompts: Optional[int] = Field(None, ge=1, description="use only the first N prompts of each set")
+    warmup_prompts: int = Field(1, ge=0, description="untimed runs per row before measuring")
+
+    @field_validator("draft_lengths")
+    @classmethod
+    def _positive_draft_lengths(cls, v: list[int]) -> list[int]:
+        if any(k < 1 for k in v):
+            raise ValueError(f"K must be >= 1, got {sorted(v)}")
+        return sorted(set(v))
 
 
 def make_config(model: type[BaseModel], **values):

@@ -99,3 +99,13 @@ def tiny_self_build(tiny_target, tiny_engines_dir) -> Path:
 
     return build(BuildConfig(target=str(tiny_target), draft=str(tiny_target), name="self",
                              engines_dir=tiny_engines_dir, repo_dir=None))
+
+
+@pytest.fixture(scope="session")
+def smollm2_self_build(tmp_path_factory) -> Path:
+    """The real SmolLM2-135M-Instruct as both target and draft (greedy acceptance must be 1.0). Minutes."""
+    from specpipe.build import build
+    from specpipe.config import BuildConfig
+
+    return build(BuildConfig(target="smollm2-135m", draft="smollm2-135m", name="smollm2-self",
+                             engines_dir=tmp_path_factory.mktemp("real"), repo_dir=None))

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from specpipe.checkpoint.cache import atomic_dir, cache_dir, sha256_file
+from specpipe.checkpoint.load import first_line
 from specpipe.errors import CheckpointError
 
 SOURCE_RECORD = "specpipe-source.json"
@@ -73,7 +74,7 @@ def read_gguf_meta(gguf_path: Path) -> GGUFTokenizerMeta:
     try:
         fields = GGUFReader(str(gguf_path)).fields
     except Exception as err:  # the reader raises ValueError/struct errors on a corrupt file
-        raise CheckpointError(f"{gguf_path} is not a readable GGUF file: {err}") from err
+        raise CheckpointError(f"{gguf_path} is not a readable GGUF file: {first_line(err)}") from err
 
     def get(key: str) -> Any:
         field = fields.get(key)
@@ -152,7 +153,7 @@ def _convert_into(gguf_path: Path, meta: GGUFTokenizerMeta, out: Path) -> list[s
         tokenizer = AutoTokenizer.from_pretrained(staging, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(staging, gguf_file=gguf_path.name, dtype=torch.float32)
     except (ValueError, KeyError, OSError, RuntimeError) as err:
-        raise CheckpointError(f"cannot convert {gguf_path.name}: transformers could not load it ({err})") from err
+        raise CheckpointError(f"cannot convert {gguf_path.name}: transformers could not load it ({first_line(err)})") from err
     finally:
         quiet.setLevel(level)
         (staging / gguf_path.name).unlink()

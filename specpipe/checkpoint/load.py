@@ -17,7 +17,7 @@ def load_config(path: Path):
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, OSError, KeyError) as err:
         # ValueError is what transformers raises for a model_type it does not know (remote-code models).
-        raise CheckpointError(f"cannot read the config of {path}: {_first_line(err)}") from err
+        raise CheckpointError(f"cannot read the config of {path}: {first_line(err)}") from err
 
 
 def causal_lm_architectures() -> set[str]:
@@ -82,7 +82,7 @@ def load_causal_lm(path: Path, *, allow_pickle: bool = False):
             use_safetensors=None if allow_pickle else True,
         )
     except (OSError, ValueError, RuntimeError) as err:
-        raise CheckpointError(f"cannot load the model in {path}: {_first_line(err)}") from err
+        raise CheckpointError(f"cannot load the model in {path}: {first_line(err)}") from err
     return model.eval()
 
 
@@ -92,7 +92,7 @@ def load_tokenizer(path: Path):
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"cannot load the tokenizer in {path}: {_first_line(err)}") from err
+        raise CheckpointError(f"cannot load the tokenizer in {path}: {first_line(err)}") from err
 
 
 def special_token_ids(tokenizer) -> dict[str, int | None]:
@@ -109,6 +109,7 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """An exception as one line: the CLI prints errors on one line."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__

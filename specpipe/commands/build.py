@@ -7,16 +7,21 @@ from pathlib import Path
 
 import click
 
+from specpipe.commands.gpu_build import backend_of, gpu_build, gpu_options, split_gpu_options
 from specpipe.config import BuildConfig, field_default, field_help, make_config
 
 
 @click.command()
+@gpu_options
 @click.option("--target", required=True, help="Target: HF checkpoint folder, .gguf file, or alias (e.g. smollm2-135m).")
 @click.option("--draft", required=True, help="Draft: same forms as --target; must share the target's tokenizer.")
 @click.option("--name", default=None, help="Output name under --engines-dir. [default: TARGET--DRAFT]")
 @click.option("--engines-dir", type=click.Path(path_type=Path), default=field_default(BuildConfig, "engines_dir"), show_default=True)
 @click.option("--repo-dir", type=click.Path(path_type=Path), default=field_default(BuildConfig, "repo_dir"), show_default=True,
               help="Triton model repository to write.")
+@click.option("--no-repo", is_flag=True, help="Do not write the Triton model repository.")
+@click.option("--triton-instances", type=int, default=field_default(BuildConfig, "triton_instances"), show_default=True,
+              help=field_help(BuildConfig, "triton_instances"))
 @click.option("--max-draft-len", type=int, default=field_default(BuildConfig, "max_draft_len"), show_default=True,
               help=field_help(BuildConfig, "max_draft_len"))
 @click.option("--threads", type=int, default=field_default(BuildConfig, "threads"), show_default=True,
@@ -26,7 +31,7 @@ from specpipe.config import BuildConfig, field_default, field_help, make_config
 @click.option("--allow-pickle", is_flag=True, help="Allow pickle (.bin) weights. Only for checkpoints you trust.")
 @click.option("--force", is_flag=True, help="Replace an existing build of the same name.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON when done.")
-def build(as_json: bool, **options) -> None:
+def build(as_json: bool, no_repo: bool, **options) -> None:
     """Check a draft/target pair, export both to engines, and write engines/NAME/manifest.json.
 
     \b
@@ -37,6 +42,11 @@ def build(as_json: bool, **options) -> None:
 
     from specpipe.build import build as build_pair
 
+    if no_repo:
+        options["repo_dir"] = None
+    gpu = split_gpu_options(build, options)
+    if backend_of(gpu) is not None:  # --backend tensorrt | trtllm: specpipe/commands/gpu_build.py
+        return gpu_build(gpu, options, as_json=as_json)
     cfg = make_config(BuildConfig, **options)
     console = Console(stderr=True)
     with console.status("building") as status:

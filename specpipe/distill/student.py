@@ -72,10 +72,17 @@ def make_student(target, *, layers: int, width: int, seed: int):
                 student.get_output_embeddings().weight.copy_(target_head)
             _copy_layers(target, student)
         else:
-            student.get_input_embeddings().weight.copy_(target_embed @ principal_directions(target_embed, width))
+            _copy_projected(student.get_input_embeddings().weight, target_embed)
             if not student.config.tie_word_embeddings:
-                student.get_output_embeddings().weight.copy_(target_head @ principal_directions(target_head, width))
+                _copy_projected(student.get_output_embeddings().weight, target_head)
     return student.eval()
+
+
+def _copy_projected(student_weight: torch.Tensor, target_weight: torch.Tensor) -> None:
+    """student_weight [V, width] <- target_weight [V, hidden] on its top principal directions; a draft wider
+    than the target keeps its random init in the columns beyond the target's width."""
+    rank = min(student_weight.shape[1], target_weight.shape[1])
+    student_weight[:, :rank] = target_weight @ principal_directions(target_weight, rank)
 
 
 def _copy_layers(target, student) -> None:

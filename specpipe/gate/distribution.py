@@ -54,8 +54,8 @@ def plan_samples(p_first: np.ndarray, p_second: np.ndarray, mode_prob: float, cf
     n = 1000
     for _ in range(8):
         needed = []
-        first = goodness.pool_bins(p_first, n, cfg.min_expected)
-        second = goodness.pool_bins(p_second, n * mode_prob, cfg.min_expected)
+        first = goodness.pool_bins(p_first, n, cfg.min_expected, cfg.max_bins)
+        second = goodness.pool_bins(p_second, n * mode_prob, cfg.min_expected, cfg.max_bins)
         if first.df >= 1:
             needed.append(goodness.required_samples(first.df, cfg.tv, alpha, cfg.power))
         if second.df >= 1:
@@ -112,7 +112,7 @@ def check_distribution(subject: Subject, gate: GateConfig, planned: list[Case], 
         second = samples[(samples[:, 0] == x_star) & (samples[:, 1] >= 0), 1]
         label = f"context {context!r} T={temperature:g}"
         for which, observed, p, given in (("first", first, p_first, None), ("second", second, p_second, x_star)):
-            bins = goodness.pool_bins(p, len(observed), cfg.min_expected)
+            bins = goodness.pool_bins(p, len(observed), cfg.min_expected, cfg.max_bins)
             fit = goodness.chisquare_fit(observed, bins)
             detect = goodness.detectable_tv(fit.n, bins.df, alpha, cfg.power)
             planted_tv = max(cfg.tv, detect)  # the claim this run makes, and proves below
@@ -126,13 +126,15 @@ def check_distribution(subject: Subject, gate: GateConfig, planned: list[Case], 
             tests.append(test)
             name = f"{label} {which} token" + (f" given {given}" if given is not None else "")
             if not test["informative"]:
-                warnings.append(f"{name}: uninformative (one effective bin at {fit.n} samples): not tested")
+                why = f"no sample emitted {given} first" if fit.n == 0 else f"one effective bin at {fit.n} samples"
+                warnings.append(f"{name}: not tested ({why})")
                 continue
-            if fit.rejected(alpha):
-                why = f"{fit.impossible} samples of tokens with p = 0" if fit.impossible else f"p = {fit.p_value:.3g}"
+            if fit.impossible:
+                failures.append(f"{name}: {fit.impossible} of {fit.n} emitted tokens have target probability 0")
+            elif fit.rejected(alpha):
                 failures.append(
                     f"{name}: emitted tokens do not follow the target's p: chi2 = {fit.statistic:.1f},"
-                    f" {fit.bins} bins, {fit.n} samples, {why} < alpha {alpha:.2g}"
+                    f" {fit.bins} bins, {fit.n} samples, p = {fit.p_value:.3g} < alpha {alpha:.2g}"
                 )
             if planted < cfg.planted_power_min:
                 failures.append(

@@ -8,8 +8,9 @@ to the other. Sample sizes are chosen for that worst case with scipy.stats.ncx2,
 tv on the effective bins is detected with at least the stated power.
 
 Bins. Tokens expecting fewer than `min_expected` samples share one pooled bin (the chi-square
-approximation needs expected counts of about 5); an error that stays inside the pooled bin is invisible,
-which is why the report names the number of effective bins.
+approximation needs expected counts of about 5), and at most `max_bins` bins are kept (the most likely
+tokens; a flat distribution would otherwise need many more samples for the same power). An error that
+stays inside the pooled bin is invisible, which is why the report names the number of effective bins.
 """
 
 from __future__ import annotations
@@ -45,14 +46,17 @@ class Bins:
         return np.bincount(index[possible], minlength=len(self.probs)), impossible
 
 
-def pool_bins(p: np.ndarray, n: float, min_expected: float) -> Bins:
+def pool_bins(p: np.ndarray, n: float, min_expected: float, max_bins: int = 0) -> Bins:
     """Give each token expecting >= min_expected of n samples its own bin, pool the rest; if the pooled bin
-    itself expects too few, the least likely named tokens join it until it does (or none are left)."""
+    itself expects too few, the least likely named tokens join it until it does (or none are left).
+    max_bins > 0 caps the bins (most likely tokens first): fewer degrees of freedom, more power per sample."""
     p = np.asarray(p, dtype=np.float64)
     support = p > 0
     order = np.argsort(-p, kind="stable")
     order = order[p[order] > 0]
     own = int((n * p[order] >= min_expected).sum())
+    if 0 < max_bins < len(order):
+        own = min(own, max_bins - 1)  # and one bin for the rest
     while True:
         rest = float(p[order[own:]].sum())
         if rest == 0.0 or n * rest >= min_expected or own == 0:
@@ -109,7 +113,7 @@ def detectable_tv(n: float, df: int, alpha: float, power: float) -> float:
 
 @dataclass(frozen=True)
 class FitResult:
-    n: int
+    n: int  # samples tested
     bins: int  # effective bins (df + 1)
     statistic: float
     p_value: float
@@ -122,10 +126,12 @@ class FitResult:
 def chisquare_fit(samples: np.ndarray, bins: Bins) -> FitResult:
     """Pearson's chi-square test of samples against the bins' expected shares (scipy.stats.chisquare)."""
     counts, impossible = bins.counts(samples)
-    n = int(counts.sum())
-    if bins.df < 1 or n == 0:
+    n, possible = len(samples), int(counts.sum())
+    if impossible:  # a token the target never emits: no statistic needed
+        return FitResult(n, len(bins.probs), math.inf, 0.0, impossible)
+    if bins.df < 1 or possible == 0:
         return FitResult(n, len(bins.probs), 0.0, 1.0, impossible)
-    statistic, p_value = stats.chisquare(counts, n * bins.probs)
+    statistic, p_value = stats.chisquare(counts, possible * bins.probs)
     return FitResult(n, len(bins.probs), float(statistic), float(p_value), impossible)
 
 

@@ -141,7 +141,8 @@ def write_plots(report: GateReport, report_dir: Path) -> dict[str, Path]:
         data = [runs[name]["samples"][key] for name in runs if runs[name]["samples"][key]]
         labels = [name for name in runs if runs[name]["samples"][key]]
         if data:
-            ax.boxplot(data, labels=labels, showfliers=True)
+            ax.boxplot(data, showfliers=True)
+            ax.set_xticks(range(1, len(labels) + 1), labels)
         ax.set_title(title)
         ax.set_ylabel("ms")
     fig.tight_layout()

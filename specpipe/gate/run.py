@@ -94,7 +94,8 @@ def _run_check(name: str, subject: Subject, gate: GateConfig, bar, remeasure: bo
     except Exception as err:  # a bug or a crashed server: recorded, and the gate fails
         result = CheckResult(name, "error", f"{type(err).__name__}: {err}", failures=[traceback.format_exc(limit=4)])
     result.duration_s = time.perf_counter() - started
-    bar.update(task, total=bar.tasks[task].completed or 1, description=f"{name} [{result.status}]")
+    done = max(bar.tasks[task].completed, 1)
+    bar.update(task, total=done, completed=done, description=f"{name} [{result.status}]")
     return result
 
 

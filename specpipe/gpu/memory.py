@@ -84,16 +84,20 @@ class MemoryPlan(_Frozen):
         return None if self.gpu_memory_gb is None else self.peak_gb <= self.gpu_memory_gb
 
 
-def weights_bytes(shape: ModelShape, quant: str, tp: int, *, separate_lm_head: bool = True) -> tuple[float, float]:
+def weights_bytes(
+    shape: ModelShape, quant: str, tp: int, *, separate_lm_head: bool = True, dtype_bytes: int = MODEL_DTYPE_BYTES
+) -> tuple[float, float]:
     """(all ranks, one rank) bytes of weights. `separate_lm_head`: the engine holds lm_head as its own
-    tensor even when the checkpoint ties it (TensorRT-LLM checkpoints always do)."""
+    tensor even when the checkpoint ties it (TensorRT-LLM checkpoints always do). `dtype_bytes`: bytes of
+    what is not quantized (4 for a Q/DQ graph TensorRT builds as it is)."""
     embedding = shape.embedding_params
     has_head = separate_lm_head or not shape.tie_word_embeddings
     head = embedding if has_head else 0
     in_checkpoint_head = 0 if shape.tie_word_embeddings else embedding
     body = shape.params - embedding - in_checkpoint_head  # linear layers and norms
-    total = body * LINEAR_BYTES[quant] + (embedding + head) * MODEL_DTYPE_BYTES
-    per_rank = body * LINEAR_BYTES[quant] / tp + head * MODEL_DTYPE_BYTES / tp + embedding * MODEL_DTYPE_BYTES
+    linear = dtype_bytes if quant == "none" else LINEAR_BYTES[quant]
+    total = body * linear + (embedding + head) * dtype_bytes
+    per_rank = body * linear / tp + head * dtype_bytes / tp + embedding * dtype_bytes
     return total, per_rank
 
 
@@ -101,15 +105,24 @@ def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
     return max(1, shape.kv_heads // tp)
 
 
-def kv_bytes_per_token(shape: ModelShape, kv_cache_dtype: str, tp: int) -> int:
-    return 2 * shape.layers * kv_heads_per_rank(shape, tp) * shape.head_dim * KV_BYTES[kv_cache_dtype]
+def kv_bytes_per_token(shape: ModelShape, kv_cache_dtype: str, tp: int, *, dtype_bytes: int = MODEL_DTYPE_BYTES) -> int:
+    element = dtype_bytes if kv_cache_dtype == "auto" else KV_BYTES[kv_cache_dtype]
+    return 2 * shape.layers * kv_heads_per_rank(shape, tp) * shape.head_dim * element
 
 
 def model_memory(
-    role: str, shape: ModelShape, *, quant: str, kv_cache_dtype: str, tp: int, kv_tokens: int, separate_lm_head: bool = True
+    role: str,
+    shape: ModelShape,
+    *,
+    quant: str,
+    kv_cache_dtype: str,
+    tp: int,
+    kv_tokens: int,
+    separate_lm_head: bool = True,
+    dtype_bytes: int = MODEL_DTYPE_BYTES,
 ) -> ModelMemory:
-    total, per_rank = weights_bytes(shape, quant, tp, separate_lm_head=separate_lm_head)
-    per_token = kv_bytes_per_token(shape, kv_cache_dtype, tp)
+    total, per_rank = weights_bytes(shape, quant, tp, separate_lm_head=separate_lm_head, dtype_bytes=dtype_bytes)
+    per_token = kv_bytes_per_token(shape, kv_cache_dtype, tp, dtype_bytes=dtype_bytes)
     return ModelMemory(
         role=role, tp=tp, weights_total_gb=total / GB, weights_gb=per_rank / GB,
         kv_bytes_per_token=per_token, kv_tokens=kv_tokens, kv_cache_gb=per_token * kv_tokens / GB,

@@ -14,12 +14,18 @@ Every step emits `accepted_len` accepted tokens plus exactly one recovered-or-bo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from specpipe.spec.sampling import sample
+
+# Test-only switch: SPECPIPE_TEST_PLANTED_BIAS=always-accept plants the classic wrong rule (accept every
+# draft) in verify_sampled, in this process and in a Triton server started from it, so tests can show that
+# `specpipe validate` catches a biased decoder (tests/test_gate*.py). Never set it anywhere else.
+PLANTED_BIAS_ENV = "SPECPIPE_TEST_PLANTED_BIAS"
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,8 @@ def verify_sampled(
     lookup): then q is a point mass on each x_i, which keeps the rule exact. p: [K+1, V].
     """
     assert p.shape[0] == len(draft_tokens) + 1, "target must score K+1 positions"
+    if os.environ.get(PLANTED_BIAS_ENV) == "always-accept":
+        return Verdict(len(draft_tokens), sample(p[len(draft_tokens)], rng))
     for i, x in enumerate(draft_tokens):
         q_x = 1.0 if q is None else q[i, x]
         # Accept x_i with probability min(1, p(x)/q(x)).

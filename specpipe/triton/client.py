@@ -18,6 +18,9 @@ from specpipe.config import GenerationConfig
 from specpipe.errors import ServerError
 
 DEFAULT_MODEL = "ensemble"
+# TensorRT-LLM's perf-metric outputs, kept from the final response in result["perf"].
+PERF_OUTPUTS = ("arrival_time_ns", "first_token_time_ns", "last_token_time_ns", "acceptance_rate",
+                "total_accepted_draft_tokens", "total_draft_tokens")
 
 
 def remote_generate(url: str, prompt: str, cfg: GenerationConfig, *, stream: bool, chat: bool = False,
@@ -31,7 +34,8 @@ def remote_generate(url: str, prompt: str, cfg: GenerationConfig, *, stream: boo
 
     `.result` has the in-process Result.as_dict() keys. `ttft_ms`, `total_ms` and `tokens_per_s` are
     measured here, end to end (the server's own are `server_ttft_ms`, ...); `chunk_ms` / `chunk_tokens`
-    give each response's arrival time and token count, for inter-token latency.
+    give each response's arrival time and token count, for inter-token latency; `perf` holds TensorRT-LLM's
+    perf outputs (server wall-clock times in ns, acceptance counters).
     """
     return RemoteGeneration(url, prompt, cfg, stream=stream, chat=chat, model_name=model_name, timeout_s=timeout_s)
 
@@ -100,10 +104,10 @@ class RemoteGeneration:
                 if piece:
                     text.append(piece)
                     yield piece
-            stats_json = result.as_numpy("stats_json")
-            if stats_json is not None:
-                stats = json.loads(stats_json.reshape(-1)[0])
             if result.get_response().parameters["triton_final_response"].bool_param:
+                stats_json = result.as_numpy("stats_json")
+                stats = json.loads(stats_json.reshape(-1)[0]) if stats_json is not None else {}
+                perf = {name: result.as_numpy(name) for name in PERF_OUTPUTS}
                 break
         total_ms = (time.perf_counter() - started) * 1e3
         server = {f"server_{key}": stats.get(key) for key in ("ttft_ms", "total_ms", "tokens_per_s", "decode_tokens_per_s")}
@@ -118,4 +122,5 @@ class RemoteGeneration:
             "tokens_per_s": len(token_ids) / (total_ms / 1e3) if total_ms > 0 else 0.0,
             "chunk_ms": chunk_ms,
             "chunk_tokens": chunk_tokens,
+            "perf": {name: value.reshape(-1)[0].item() for name, value in perf.items() if value is not None},
         }

@@ -52,7 +52,7 @@ class TritonInstall:
     binary: Path
     backend_dir: Optional[Path] = None
     env: dict[str, str] = field(default_factory=dict)
-    source: str = "PATH"
+    source: str = "from PATH"
 
 
 def find_tritonserver() -> TritonInstall:
@@ -69,7 +69,7 @@ def find_tritonserver() -> TritonInstall:
         raise ServerError(f"the nvidia-pytriton wheel has no tritonserver binary at {binary}")
     env = _python_env()
     env["LD_LIBRARY_PATH"] = _path_list(env.get("LD_LIBRARY_PATH"), str(libs))
-    return TritonInstall(binary, _pytriton_backends(dist), env, source=f"nvidia-pytriton wheel ({dist})")
+    return TritonInstall(binary, _pytriton_backends(dist), env, source="from the nvidia-pytriton wheel")
 
 
 def _pytriton_backends(dist: Path) -> Path:
@@ -243,8 +243,11 @@ class TritonServer:
         with open(self.log_path, errors="replace") as f:
             return [line.rstrip("\n") for line in deque(f, maxlen=lines)]
 
-    def _tail_text(self) -> str:
-        tail = self.log_tail()
+    def _tail_text(self, lines: int = 8) -> str:
+        """The last log lines worth reading: Triton's status tables and blank lines skipped, long lines cut."""
+        tail = [line for line in self.log_tail(400)
+                if line.strip() and line.lstrip()[:1] not in ("|", "+") and not line.endswith("] ")][-lines:]
+        tail = [line if len(line) <= 300 else line[:297] + "..." for line in tail]
         return ("\nlast server log lines (" + str(self.log_path) + "):\n  " + "\n  ".join(tail)) if tail else ""
 
     def failure_reason(self) -> str:

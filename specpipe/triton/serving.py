@@ -83,7 +83,8 @@ class ServedModel:
 
     def _tensors(self, text: str, token_ids: list[int], request: ServedRequest, generation: Generation, clock: "_Clock"):
         tensors = {
-            "text_output": np.array([[text.encode("utf-8")]], dtype=np.object_),
+            # [batch * beams] = [1], as tensorrtllm_backend's postprocessing model returns it (clients index [0])
+            "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
             "token_ids": np.array([token_ids], dtype=np.int32).reshape(1, len(token_ids)),
             "batch_index": np.zeros((1, 1), np.int32),
             "sequence_index": np.zeros((1, 1), np.int32),

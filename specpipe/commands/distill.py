@@ -1,0 +1,73 @@
+"""`specpipe distill`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from specpipe.config import DistillConfig, field_default, field_help, make_config
+
+
+def _option(name: str, **kwargs):
+    """A click option whose default and help come from DistillConfig."""
+    field = name.lstrip("-").replace("-", "_")
+    return click.option(name, default=field_default(DistillConfig, field), show_default=True,
+                        help=field_help(DistillConfig, field), **kwargs)
+
+
+@click.command()
+@click.option("--target", required=True, help="Target: HF checkpoint folder, .gguf file, or alias (e.g. smollm2-135m).")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder to write the draft checkpoint to.")
+@_option("--layers", type=int)
+@_option("--width", type=int)
+@_option("--minutes", type=float)
+@_option("--data-fraction", type=float)
+@_option("--seed", type=int)
+@click.option("--data", multiple=True, type=click.Choice(["answers", "stdlib"]),
+              default=field_default(DistillConfig, "data"), show_default=True, help=field_help(DistillConfig, "data"))
+@click.option("--prompts", type=click.Path(path_type=Path), default=None, help=field_help(DistillConfig, "prompts"))
+@_option("--max-answer-tokens", type=int)
+@_option("--answer-batch", type=int)
+@_option("--teacher-dtype", type=click.Choice(["float32", "bfloat16"]))
+@_option("--lr", type=float)
+@_option("--batch-tokens", type=int)
+@_option("--negatives", type=int)
+@_option("--checkpoint-every", type=int)
+@_option("--threads", type=int)
+@click.option("--resume", is_flag=True, help=field_help(DistillConfig, "resume"))
+@click.option("--force", is_flag=True, help=field_help(DistillConfig, "force"))
+@click.option("--json", "as_json", is_flag=True, help="Print the distillation record as JSON when done.")
+def distill(as_json: bool, data, **options) -> None:
+    """Train a small draft for TARGET on CPU by distillation from the target's own answers.
+
+    The draft shares the target's tokenizer and is written to OUT as a normal Hugging Face checkpoint,
+    ready for `specpipe build --target TARGET --draft OUT`. Target answers are cached, so a second run
+    spends its whole budget training.
+
+    \b
+    Example:
+      specpipe distill --target smollm2-135m --out drafts/smollm2-draft --minutes 12
+    """
+    from specpipe.distill import RichDistillProgress
+    from specpipe.distill import distill as run_distill
+
+    cfg = make_config(DistillConfig, data=list(data), **options)
+    progress = RichDistillProgress()
+    try:
+        result = run_distill(cfg, progress)
+    finally:
+        progress.close()
+    record = result.record
+    if as_json:
+        click.echo(json.dumps(record, indent=2))
+        return
+    draft, data_info, training = record["draft"], record["data"], record["training"]
+    click.echo(f"wrote {result.path}")
+    click.echo(f"  draft: {draft['layers']} layers, width {draft['width']}, {draft['parameters'] / 1e6:.1f}M parameters, "
+               f"{draft['weights_read_per_token_vs_target']:.3f}x the target's weights read per token")
+    click.echo(f"  data: {data_info['sequences']} sequences, {data_info['answer_tokens']:,} answer tokens")
+    click.echo(f"  training: {training['steps']} steps, {training['epochs']} epochs, loss {training['final_loss']}")
+    if record["held_out_agreement"] is not None:
+        click.echo(f"  agreement with the target's greedy answers on held-out prompts: {record['held_out_agreement']:.3f}")

@@ -1,0 +1,224 @@
+"""`specpipe distill`: target -> teacher data (cached) -> small draft -> trained draft as an HF checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from specpipe.config import DistillConfig
+from specpipe.distill.progress import DistillProgress, SilentProgress
+from specpipe.errors import OutputExistsError, UsageError
+
+STATE_DIR = ".distill"  # inside OUT while training: the resumable state; removed when the draft is written
+RECORD = "distill.json"  # inside the finished OUT: how the draft was made and how well it agrees
+HELD_OUT_MAX = 24  # answers kept out of training to measure agreement on unseen prompts
+
+
+@dataclass
+class DistillResult:
+    path: Path
+    record: dict
+
+
+def check_out_dir(cfg: DistillConfig) -> Path:
+    """OUT must be writable, and empty unless --force or --resume. Checked before any expensive step."""
+    out = Path(cfg.out).expanduser()
+    state = out / STATE_DIR / "state.pt"
+    if cfg.resume and not state.is_file():
+        raise UsageError(f"--resume: {out} has no saved training state ({state.relative_to(out)})")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (cfg.force or cfg.resume):
+        raise OutputExistsError(f"{out} exists and is not empty; pass --force to replace it or --resume to continue")
+    parent = out if out.is_dir() else _nearest_existing_parent(out)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out} is not writable ({parent} does not allow writing)")
+    return out
+
+
+def _nearest_existing_parent(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    if not path.is_dir():
+        raise UsageError(f"--out {path} is a file, so nothing can be created under it")
+    return path
+
+
+def _teacher_cache_key(cfg: DistillConfig, target, prompts: list[dict], source: str) -> dict:
+    import hashlib
+
+    prompts_hash = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
+    return {"format": 1, "source": source, "target_weights": target.weights_sha256, "prompts": prompts_hash,
+            "max_answer_tokens": cfg.max_answer_tokens, "top_k": cfg.teacher_top_k, "dtype": cfg.teacher_dtype,
+            "sample_temperature": cfg.sample_temperature, "batch": cfg.answer_batch, "seed": cfg.seed}
+
+
+def _read_prompts(path: Path) -> list[dict]:
+    prompts = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as err:
+        raise UsageError(f"--prompts {path}: {err.strerror}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append({"kind": "custom", "prompt": str(json.loads(line)["prompt"])})
+        except (ValueError, KeyError, TypeError):
+            raise UsageError(f"--prompts {path}:{number}: expected a JSON object with a \"prompt\" field") from None
+    return prompts
+
+
+def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int], progress: DistillProgress):
+    """Generate (or reuse) the target's answers and, if asked, labelled stdlib text. Returns sequences."""
+    import torch
+
+    from specpipe.checkpoint import cache_dir
+    from specpipe.distill.prompts import training_prompts
+    from specpipe.distill.teacher import TeacherCache, generate_teacher_data, label_text, stdlib_windows
+
+    budget_s = cfg.minutes * 60 * cfg.data_fraction / len(cfg.data)
+    root = cache_dir() / "distill-data"
+    sequences = []
+    teacher = None
+
+    def teacher_model():
+        nonlocal teacher
+        if teacher is None:
+            # A copy: the fp32 model stays exact for initialising the draft.
+            dtype = getattr(torch, cfg.teacher_dtype)
+            teacher = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
+        return teacher
+
+    if "answers" in cfg.data:
+        prompts = (_read_prompts(cfg.prompts) if cfg.prompts else []) + training_prompts(cfg.seed)
+        cache = TeacherCache.for_settings(root, _teacher_cache_key(cfg, target, prompts, "answers"))
+        if cache.seconds < budget_s:
+            progress.phase("teacher", budget_s, "target answers")
+            made = {"tokens": 0}
+
+            def on_batch(tokens: int, seconds: float) -> None:
+                made["tokens"] += tokens
+                progress.update(min(cache.seconds, budget_s), answers=cache.answered, tokens=made["tokens"],
+                                tok_s=tokens / seconds if seconds else 0.0)
+
+            progress.update(cache.seconds, answers=cache.answered)
+            generate_teacher_data(
+                teacher_model(), tokenizer, cache, prompts, budget_s=budget_s, batch_size=cfg.answer_batch,
+                max_new_tokens=cfg.max_answer_tokens, eos_token_ids=eos_ids, top_k=cfg.teacher_top_k,
+                sample_temperature=cfg.sample_temperature, seed=cfg.seed, on_batch=on_batch,
+            )
+        else:
+            progress.log(f"reusing {cache.answered} cached target answers ({cache.seconds:.0f} s of generation)")
+        sequences += cache.load()
+
+    if "stdlib" in cfg.data:
+        cache = TeacherCache.for_settings(root, _teacher_cache_key(cfg, target, [], "stdlib"))
+        if cache.seconds < budget_s:
+            progress.phase("stdlib", budget_s, "stdlib labels")
+            for window in stdlib_windows(tokenizer, window=256, seed=cfg.seed + cache.answered):
+                t0 = time.perf_counter()
+                cache.append([label_text(teacher_model(), window, top_k=cfg.teacher_top_k, kind="stdlib")],
+                             time.perf_counter() - t0, 1)
+                progress.update(min(cache.seconds, budget_s), windows=cache.answered)
+                if cache.seconds >= budget_s:
+                    break
+        sequences += cache.load()
+    return sequences
+
+
+def distill(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> DistillResult:
+    """Train a draft for cfg.target and write it to cfg.out as an HF checkpoint (safetensors, tokenizer, config)."""
+    import torch
+
+    from specpipe.checkpoint import load_causal_lm, load_tokenizer, resolve_checkpoint
+    from specpipe.checkpoint.load import require_causal_lm
+    from specpipe.distill.student import draft_cost_ratio, make_student
+    from specpipe.distill.train import Trainer, agreement
+
+    progress = progress or SilentProgress()
+    started = time.perf_counter()
+    out = check_out_dir(cfg)
+    torch.set_num_threads(cfg.threads)
+
+    target = resolve_checkpoint(cfg.target)
+    require_causal_lm(target.path)
+    tokenizer = load_tokenizer(target.path)
+    model = load_causal_lm(target.path)
+    eos_ids = _eos_ids(target.path, tokenizer)
+
+    sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress)
+    held_out = [s for i, s in enumerate(sequences) if s.prompt_len and i % 20 == 19][:HELD_OUT_MAX]
+    held_ids = {id(s) for s in held_out}
+    train_set = [s for s in sequences if id(s) not in held_ids] or sequences
+
+    student = make_student(model, layers=cfg.layers, width=cfg.width, seed=cfg.seed)
+    state_path = out / STATE_DIR / "state.pt"
+    if cfg.force and out.is_dir() and not cfg.resume:
+        shutil.rmtree(out)
+    train_budget_s = cfg.minutes * 60 * (1 - cfg.data_fraction)
+    trainer = Trainer(student, train_set, budget_s=train_budget_s, lr=cfg.lr, batch_tokens=cfg.batch_tokens,
+                      negatives=cfg.negatives, seed=cfg.seed, state_path=state_path,
+                      checkpoint_every=cfg.checkpoint_every)
+    if cfg.resume:
+        trainer.load()
+        progress.log(f"resumed at step {trainer.state.step} ({trainer.state.elapsed_s:.0f} s of {train_budget_s:.0f} s)")
+    progress.phase("train", train_budget_s, "training draft")
+    state = trainer.run(on_step=lambda r: progress.update(
+        min(r.elapsed_s, r.budget_s), loss=r.loss, agree=r.agreement, tok_s=r.tokens_per_s))
+    trainer.save()
+
+    held_out_agreement = agreement(student, held_out) if held_out else None
+    record = {
+        "format": 1,
+        "target": {"source": cfg.target, "path": str(target.path), "weights_sha256": target.weights_sha256},
+        "config": json.loads(cfg.model_dump_json()),
+        "draft": {"layers": cfg.layers, "width": student.config.hidden_size,
+                  "parameters": sum(p.numel() for p in student.parameters()),
+                  "weights_read_per_token_vs_target": round(draft_cost_ratio(student.config, model.config), 4)},
+        "data": {"sequences": len(train_set), "held_out": len(held_out),
+                 "tokens": sum(len(s) for s in train_set),
+                 "answer_tokens": sum(len(s) - s.prompt_len for s in train_set if s.prompt_len),
+                 "kinds": sorted({s.kind for s in sequences})},
+        "training": {"steps": state.step, "seconds": round(state.elapsed_s, 1), "tokens_seen": state.tokens_seen,
+                     "epochs": round(state.tokens_seen / max(1, sum(len(s) for s in train_set)), 2),
+                     "final_loss": round(state.recent_loss, 4), "history": state.history},
+        "held_out_agreement": held_out_agreement,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    _write_checkpoint(student, tokenizer, target.path, out, record)
+    shutil.rmtree(out / STATE_DIR, ignore_errors=True)
+    return DistillResult(out, record)
+
+
+def _eos_ids(path: Path, tokenizer) -> set[int]:
+    ids = set()
+    gen_cfg = Path(path) / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return {int(i) for i in ids}
+
+
+def _write_checkpoint(student, tokenizer, target_path: Path, out: Path, record: dict) -> None:
+    """save_pretrained into a temp folder beside OUT, then move the files in: OUT never holds half a model."""
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
+        student.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        generation_config = Path(target_path) / "generation_config.json"
+        if generation_config.is_file():
+            shutil.copy2(generation_config, Path(tmp) / "generation_config.json")
+        (Path(tmp) / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        for item in Path(tmp).iterdir():
+            os.replace(item, out / item.name)

@@ -1,0 +1,504 @@
+"""`make_plan(cfg) -> Plan`: every step of a GPU build, every file it writes, and the memory it needs per GPU,
+decided before anything runs. `render_plan(plan)` prints it for a person; `plan.model_dump_json()` for
+scripts. The runner (specpipe/gpu/run.py) executes the same steps where CUDA and the packages exist.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict
+
+from specpipe.config import GpuBuildConfig
+from specpipe.errors import UsageError
+from specpipe.gpu import upstream
+from specpipe.gpu.memory import MemoryPlan, model_memory, place, valid_tp
+from specpipe.gpu.shapes import ModelShape, resolve_shape
+from specpipe.gpu.steps import Step
+from specpipe.gpu.tensorrt_build import PLAN_FILE, optimization_profiles
+from specpipe.gpu.trtllm import (
+    Limits,
+    ModelJob,
+    engine_flow_steps,
+    llmapi_model_yaml,
+    llmapi_quantize_step,
+    serve_command,
+)
+
+DEFAULT_MAX_SEQ_LEN = 8192  # cap on the target's context when --max-seq-len is not given
+SHARED_KV_FRACTION = 0.45  # each of two models on one GPU: whichever loads first leaves room for the other
+ALONE_KV_FRACTION = 0.9  # tensorrtllm_backend's default (docs/model_config.md)
+TP_CANDIDATES = (1, 2, 4, 8)  # one 8-GPU node: tensor parallelism wants NVLink between its ranks
+PLAN_JSON = "gpu_plan.json"
+
+
+class GpuMemoryError(UsageError):
+    """The plan does not fit the GPUs given; says what would."""
+
+    def __init__(self, message: str, *, peak_gb: float, gpu_memory_gb: float, suggested_tp: Optional[int]):
+        self.peak_gb, self.gpu_memory_gb, self.suggested_tp = peak_gb, gpu_memory_gb, suggested_tp
+        super().__init__(message)
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PlannedModel(_Frozen):
+    role: str
+    shape: ModelShape
+    quant: str
+    kv_cache_dtype: str
+    tp: int
+    gpus: tuple[int, ...]
+    artifacts: str  # folder of its engine(s)
+
+
+class Plan(_Frozen):
+    backend: str
+    flow: str  # engine | llmapi (trtllm), onnx (tensorrt)
+    name: str
+    work_dir: str
+    repo_dir: Optional[str]
+    versions: dict[str, str]
+    limits: dict[str, int | str]
+    target: PlannedModel
+    draft: PlannedModel
+    steps: tuple[Step, ...]
+    repository: tuple[str, ...]  # files under repo_dir
+    memory: MemoryPlan
+    serve: tuple[str, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def files(self) -> list[str]:
+        """Everything the build writes: step outputs, then the Triton repository."""
+        written = [path for step in self.steps for path in step.writes]
+        return written + [p for p in self.repository if p not in written]
+
+    @property
+    def gpu_steps(self) -> list[Step]:
+        return [s for s in self.steps if s.gpu]
+
+    def requirements(self) -> list[str]:
+        return sorted({need for step in self.steps for need in step.needs})
+
+
+def make_plan(cfg: GpuBuildConfig) -> Plan:
+    """Check the request against the models, the upstream tools and the GPU memory, then lay out the steps."""
+    target, draft = resolve_shape(cfg.target), resolve_shape(cfg.draft)
+    notes = _check_pair(target, draft)
+    _check_options(cfg, target, draft)
+    max_seq_len = cfg.max_seq_len or min(target.context_length, DEFAULT_MAX_SEQ_LEN)
+    if cfg.max_input_len >= max_seq_len:
+        raise UsageError(f"--max-input-len {cfg.max_input_len} must be below the sequence length {max_seq_len}")
+    if max_seq_len > min(target.context_length, draft.context_length):
+        notes.append(f"max_seq_len {max_seq_len} is beyond a model's trained context ({target.context_length} / {draft.context_length})")
+    limits = Limits(
+        dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, max_input_len=cfg.max_input_len,
+        max_seq_len=max_seq_len, max_draft_len=cfg.max_draft_len, calib_size=cfg.calib_size,
+    )  # fmt: skip
+
+    from specpipe.build import default_name
+
+    name = cfg.name or default_name(cfg.target, cfg.draft)
+    work = Path(cfg.engines_dir) / name
+    shared = cfg.draft_placement == "shared"
+    target_gpus = tuple(range(cfg.tp_size))
+    first_draft = 0 if shared else cfg.tp_size
+    draft_gpus = tuple(range(first_draft, first_draft + cfg.draft_tp_size))
+    jobs = [
+        ModelJob("target", target, work / "hf" / "target", cfg.quant, cfg.kv_cache_dtype, cfg.tp_size, target_gpus, work / "trtllm" / "target"),
+        ModelJob("draft", draft, work / "hf" / "draft", cfg.draft_quant, cfg.kv_cache_dtype, cfg.draft_tp_size, draft_gpus, work / "trtllm" / "draft"),
+    ]  # fmt: skip
+    memory = plan_memory(cfg, target, draft, max_seq_len)
+    _check_fits(cfg, target, draft, max_seq_len, memory, notes)
+
+    repo = Path(cfg.repo_dir) if cfg.repo_dir is not None else None
+    if cfg.backend == "tensorrt":
+        flow = "onnx"
+        steps = _deployment_step(cfg, work, repo) + _tensorrt_steps(cfg, jobs, limits, work)
+        repository: list[Path] = []
+        serve: tuple[str, ...] = ("specpipe", "serve", str(repo)) if repo else ()
+        notes.append("the Triton repository is specpipe's own (Python backend over specpipe.spec): engine.json names the tensorrt backend")
+    else:
+        flow = cfg.trtllm_flow
+        steps = _resolve_steps(cfg, work)
+        kv_fraction = cfg.kv_cache_free_gpu_mem_fraction or (SHARED_KV_FRACTION if shared else ALONE_KV_FRACTION)
+        if flow == "engine":
+            steps += engine_flow_steps(jobs, limits, Path(cfg.trtllm_checkout))
+        else:
+            steps += [s for s in (llmapi_quantize_step(job, limits, Path(cfg.trtllm_checkout)) for job in jobs) if s]
+        repository = []
+        if repo is not None:
+            steps_repo, repository = _repository_steps(cfg, jobs, limits, work, repo, kv_fraction)
+            steps += steps_repo
+        serve = serve_command(repo, Path(cfg.trtllm_checkout), flow) if repo else ()
+        if flow == "engine":
+            notes.append(
+                "speculative requests go to tensorrt_llm_bls with num_draft_tokens > 0 and stream false (upstream's BLS"
+                " refuses streaming with speculation); `ensemble` serves the target alone"
+            )
+    steps.append(
+        Step(id="plan", title="record the plan", kind="write", writes=(str(work / PLAN_JSON),), source="specpipe")
+    )
+    versions = {"tensorrt_llm": upstream.TRTLLM_ENGINE_VERSION if cfg.backend == "trtllm" else "-", "tensorrt": f">={upstream.TENSORRT_MIN_VERSION}"}
+    if cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi":
+        versions["tensorrt_llm"] = f">={upstream.TRTLLM_ENGINE_VERSION} (LLM API; no engine build)"
+    return Plan(
+        backend=cfg.backend, flow=flow, name=name, work_dir=str(work), repo_dir=str(repo) if repo else None,
+        versions=versions,
+        limits={"dtype": cfg.dtype, "max_batch_size": cfg.max_batch_size, "max_input_len": cfg.max_input_len,
+                "max_seq_len": max_seq_len, "max_draft_len": cfg.max_draft_len},
+        target=_planned(jobs[0], cfg, work), draft=_planned(jobs[1], cfg, work),
+        steps=tuple(steps), repository=tuple(str(p) for p in repository), memory=memory, serve=serve, notes=tuple(notes),
+    )  # fmt: skip
+
+
+def plan_memory(cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape, max_seq_len: int, *, tp_size: Optional[int] = None) -> MemoryPlan:
+    tp = tp_size or cfg.tp_size
+    kv_tokens = cfg.max_batch_size * max_seq_len
+    onnx_qdq = cfg.backend == "tensorrt"  # a Q/DQ graph keeps its other ops (and KV) in fp32
+
+    def one(role: str, shape: ModelShape, quant: str, model_tp: int):
+        dtype_bytes = 4 if onnx_qdq and quant != "none" else 2
+        return model_memory(
+            role, shape, quant=quant, kv_cache_dtype=cfg.kv_cache_dtype, tp=model_tp, kv_tokens=kv_tokens,
+            separate_lm_head=cfg.backend == "trtllm", dtype_bytes=dtype_bytes,
+        )  # fmt: skip
+
+    return place(
+        one("target", target, cfg.quant, tp), one("draft", draft, cfg.draft_quant, cfg.draft_tp_size),
+        shared=cfg.draft_placement == "shared", gpu_memory_gb=cfg.gpu_memory_gb,
+    )  # fmt: skip
+
+
+def suggest_tp(cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape, max_seq_len: int) -> Optional[tuple[int, float]]:
+    """The smallest valid target tp size whose busiest GPU fits cfg.gpu_memory_gb: (tp, peak GB)."""
+    for tp in TP_CANDIDATES:
+        if valid_tp(target, tp) is None:
+            memory = plan_memory(cfg, target, draft, max_seq_len, tp_size=tp)
+            if memory.fits:
+                return tp, memory.peak_gb
+    return None
+
+
+def _check_fits(cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape, max_seq_len: int, memory: MemoryPlan, notes: list) -> None:
+    if cfg.gpu_memory_gb is None:
+        notes.append("no --gpu-memory-gb given: the memory table is not checked against a GPU")
+        return
+    best = suggest_tp(cfg, target, draft, max_seq_len) if cfg.backend == "trtllm" else None
+    if memory.fits:
+        if best and best[0] < cfg.tp_size:
+            notes.append(f"--tp-size {best[0]} would also fit {cfg.gpu_memory_gb:g} GB GPUs (busiest GPU {best[1]:.1f} GB)")
+        return
+    busiest = max(memory.gpus, key=lambda g: g.total_gb)
+    head = (
+        f"{cfg.target} ({cfg.quant}) + {cfg.draft} ({cfg.draft_quant}) at --tp-size {cfg.tp_size} needs {memory.peak_gb:.1f} GB"
+        f" on GPU {busiest.gpu} (weights {busiest.weights_gb:.1f}, KV cache {busiest.kv_cache_gb:.1f}, reserve"
+        f" {busiest.reserve_gb:.1f}; {', '.join(busiest.models)}) but --gpu-memory-gb is {cfg.gpu_memory_gb:g}"
+    )
+    if best is not None:
+        raise GpuMemoryError(
+            f"{head}: use --tp-size {best[0]} (busiest GPU {best[1]:.1f} GB)",
+            peak_gb=memory.peak_gb, gpu_memory_gb=cfg.gpu_memory_gb, suggested_tp=best[0],
+        )  # fmt: skip
+    if cfg.backend == "trtllm" and cfg.draft_placement == "shared":
+        alone = suggest_tp(cfg.model_copy(update={"draft_placement": "separate"}), target, draft, max_seq_len)
+        if alone is not None:
+            raise GpuMemoryError(
+                f"{head}: give the draft its own GPU: --draft-placement separate --tp-size {alone[0]} (busiest GPU {alone[1]:.1f} GB)",
+                peak_gb=memory.peak_gb, gpu_memory_gb=cfg.gpu_memory_gb, suggested_tp=alone[0],
+            )  # fmt: skip
+    limit = TP_CANDIDATES[-1] if cfg.backend == "trtllm" else 1
+    raise GpuMemoryError(
+        f"{head}, and no --tp-size up to {limit} fits: lower --max-batch-size or --max-seq-len, use --kv-cache-dtype fp8,"
+        " or quantize (--quant / --draft-quant)",
+        peak_gb=memory.peak_gb, gpu_memory_gb=cfg.gpu_memory_gb, suggested_tp=None,
+    )  # fmt: skip
+
+
+def _check_pair(target: ModelShape, draft: ModelShape) -> list[str]:
+    """Offline pair check: aliases carry tokenizer families; folders are checked token by token at build time."""
+    from specpipe.checkpoint import check_facts_pair, get_alias
+
+    t, d = get_alias(target.spec), get_alias(draft.spec)
+    if t is not None and d is not None:
+        check_facts_pair(t, d)  # raises IncompatiblePairError listing every problem
+        return []
+    return ["the draft/target tokenizers are compared token by token when the build resolves the checkpoints"]
+
+
+def _check_options(cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape) -> None:
+    problems = []
+    if cfg.backend == "tensorrt":
+        if cfg.tp_size != 1 or cfg.draft_tp_size != 1:
+            problems.append("the tensorrt backend builds single-GPU engines from ONNX; use --backend trtllm for --tp-size > 1")
+        for flag, mode in (("--quant", cfg.quant), ("--draft-quant", cfg.draft_quant)):
+            if mode in ("int8-wo", "int4-wo"):
+                problems.append(
+                    f"{flag} {mode} writes ONNX Runtime's MatMulNBits, which TensorRT cannot parse; use fp8 or int8 (Q/DQ),"
+                    " or --backend trtllm"
+                )
+        if cfg.kv_cache_dtype != "auto":
+            problems.append("the tensorrt backend keeps the KV cache in the graph's dtype; --kv-cache-dtype needs --backend trtllm")
+    else:
+        if cfg.kv_cache_dtype == "int8":
+            problems.append(
+                "--kv-cache-dtype int8 cannot be used with paged context FMHA, which draft-target decoding needs"
+                " (NVIDIA/TensorRT-LLM issue 2166); use fp8"
+            )
+        for role, shape, tp in (("target", target, cfg.tp_size), ("draft", draft, cfg.draft_tp_size)):
+            why = valid_tp(shape, tp)
+            if why:
+                problems.append(f"{role} {shape.spec}: {why}")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+def _resolve_steps(cfg: GpuBuildConfig, work: Path) -> list[Step]:
+    from specpipe.checkpoint import get_alias
+
+    steps = []
+    for role, spec in (("target", cfg.target), ("draft", cfg.draft)):
+        facts = get_alias(spec)
+        steps.append(
+            Step(
+                id=f"{role}.resolve", title=f"resolve the {role} {spec} to a local Hugging Face folder",
+                kind="python", call="specpipe.checkpoint.resolve_checkpoint", kwargs={"spec": spec},
+                writes=(str(work / "hf" / role),), needs=("hub",) if facts is not None and facts.source == "hub" else (),
+                source="specpipe/checkpoint/resolve.py",
+            )  # fmt: skip
+        )
+    steps.append(
+        Step(
+            id="tokenizer", title="save the target's tokenizer (pre/postprocessing load it)", kind="python",
+            call="specpipe.checkpoint.load_tokenizer", kwargs={"path": str(work / "hf" / "target")},
+            writes=(str(work / "tokenizer"),), source="specpipe/checkpoint/load.py",
+        )  # fmt: skip
+    )
+    return steps
+
+
+def _deployment_step(cfg: GpuBuildConfig, work: Path, repo: Optional[Path]) -> list[Step]:
+    """The CPU build first: pair check, tokenizer, manifest, ONNX Runtime engines and specpipe's Triton
+    repository. The TensorRT engines then replace the ONNX Runtime ones in the manifest."""
+    return [
+        Step(
+            id="deployment", title="build the CPU deployment (pair check, tokenizer, manifest, repository)", kind="python",
+            call="specpipe.build.build",
+            kwargs={"target": cfg.target, "draft": cfg.draft, "name": work.name, "engines_dir": str(cfg.engines_dir),
+                    "repo_dir": str(repo) if repo else None, "max_draft_len": cfg.max_draft_len},
+            writes=(str(work / "manifest.json"), str(work / "tokenizer"), str(work / "target"), str(work / "draft")),
+            source="specpipe/build.py",
+        )  # fmt: skip
+    ]
+
+
+def tensorrt_engine_dir(work: Path, role: str) -> Path:
+    return work / f"{role}_trt"
+
+
+def _tensorrt_steps(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, work: Path) -> list[Step]:
+    steps = []
+    for job in jobs:
+        raw = work / "onnx" / job.role
+        steps.append(
+            Step(
+                id=f"{job.role}.export", title=f"export the {job.role} to ONNX (text-generation-with-past)", kind="python",
+                call="specpipe.export.onnx.export_onnx", kwargs={"checkpoint": job.shape.spec, "out_dir": str(raw)},
+                writes=(str(raw / "model.onnx"),), source="optimum-onnx main_export",
+            )  # fmt: skip
+        )
+        graph = raw / "model.onnx"
+        if job.quant != "none":
+            qdq = work / "onnx" / f"{job.role}-{job.quant}"
+            steps.append(
+                Step(
+                    id=f"{job.role}.quantize", title=f"{job.quant} Q/DQ graph with calibrated scales", kind="python",
+                    call="specpipe.quantize.static.quantize_calibrated",
+                    kwargs={"model": str(graph), "out_dir": str(qdq), "mode": job.quant}, writes=(str(qdq / "model.onnx"),),
+                    source="specpipe/quantize/static.py",
+                )  # fmt: skip
+            )
+            graph = qdq / "model.onnx"
+        else:
+            mixed = work / "onnx" / f"{job.role}-{cfg.dtype}"
+            steps.append(
+                Step(
+                    id=f"{job.role}.autocast", title=f"{cfg.dtype} mixed precision with ModelOpt AutoCast", kind="python",
+                    call="modelopt.onnx.autocast.convert_to_mixed_precision",
+                    kwargs={"onnx_path": str(graph), "low_precision_type": upstream.AUTOCAST_LOW_PRECISION[cfg.dtype], "keep_io_types": False},
+                    writes=(str(mixed / "model.onnx"),), needs=("modelopt",),
+                    source="TensorRT 11 migration guide (Python): ModelOpt AutoCast",
+                )  # fmt: skip
+            )
+            graph = mixed / "model.onnx"
+        profiles = optimization_profiles(
+            job.shape, max_seq_len=limits.max_seq_len, max_input_len=limits.max_input_len, max_draft_len=limits.max_draft_len
+        )
+        engine_dir = tensorrt_engine_dir(work, job.role)
+        steps.append(
+            Step(
+                id=f"{job.role}.engine", title=f"build the {job.role} TensorRT engine (strongly typed, 3 profiles)",
+                kind="python", call="tensorrt.Builder.build_serialized_network",
+                kwargs={
+                    "onnx": str(graph),
+                    "network_flags": ["STRONGLY_TYPED"],
+                    "profiles": {p.name: {"new_tokens": p.new_tokens.model_dump(), "past_tokens": p.past_tokens.model_dump()} for p in profiles},
+                },
+                writes=(str(engine_dir / PLAN_FILE), str(engine_dir / "engine.json")), needs=("cuda", "tensorrt"), gpu=True,
+                source="NVIDIA/TensorRT python/src/infer/pyCore.cpp, python/src/parsers/pyOnnx.cpp",
+            )  # fmt: skip
+        )
+    steps.append(
+        Step(
+            id="manifest", title="point the manifest's target and draft at the TensorRT engines", kind="write",
+            writes=(str(work / "manifest.json"),), source="specpipe/manifest.py",
+        )  # fmt: skip
+    )
+    return steps
+
+
+def _repository_steps(
+    cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, work: Path, repo: Path, kv_fraction: float
+) -> tuple[list[Step], list[Path]]:
+    from specpipe.triton import trtllm_repo
+
+    models = repository_models(cfg, jobs, limits, work, kv_fraction)
+    files = trtllm_repo.repository_files(models, repo, cfg.trtllm_flow)
+    own = [f for f in files if f.name in ("config.pbtxt", "model.yaml")]
+    copied = [f for f in files if f not in own]
+    templates = Path(cfg.trtllm_checkout) / (
+        upstream.LLMAPI_TEMPLATES_DIR if cfg.trtllm_flow == "llmapi" else upstream.TRITON_TEMPLATES_DIR
+    )
+    steps = [
+        Step(
+            id="repository", title=f"write the Triton repository ({', '.join(m.name for m in models)})", kind="write",
+            writes=tuple(str(f) for f in own), source="specpipe/triton/trtllm_repo.py (Triton model_config_pb2)",
+        ),  # fmt: skip
+        Step(
+            id="repository.check", title="compare its tensors with the pinned checkout's templates", kind="python",
+            call="specpipe.triton.trtllm_repo.compare_with_templates", kwargs={"templates_dir": str(templates)},
+            needs=("trtllm-checkout",), source=f"NVIDIA/TensorRT-LLM {upstream.TRTLLM_ENGINE_TAG} {templates.relative_to(cfg.trtllm_checkout)}",
+        ),  # fmt: skip
+        Step(
+            id="repository.model_py", title="copy the Python models' code from the pinned checkout", kind="python",
+            call="specpipe.triton.trtllm_repo.copy_upstream_model_files", kwargs={"checkout": str(cfg.trtllm_checkout)},
+            writes=tuple(str(f) for f in copied), needs=("trtllm-checkout",),
+            source=f"NVIDIA/TensorRT-LLM {upstream.TRTLLM_ENGINE_TAG} {templates.relative_to(cfg.trtllm_checkout)}",
+        ),  # fmt: skip
+    ]
+    return steps, files
+
+
+def repository_models(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, work: Path, kv_fraction: float):
+    from specpipe.triton import trtllm_repo
+
+    if cfg.backend != "trtllm":
+        return []
+    if cfg.trtllm_flow == "llmapi":
+        return trtllm_repo.llmapi_models()
+    target, draft = jobs
+    settings = trtllm_repo.TrtllmRepoSettings(
+        max_batch_size=limits.max_batch_size, tokenizer_dir=str((work / "tokenizer").absolute()),
+        target_engine_dir=str(target.engine_dir.absolute()), draft_engine_dir=str(draft.engine_dir.absolute()),
+        target_gpus=target.gpus, draft_gpus=draft.gpus, target_kv_fraction=kv_fraction, draft_kv_fraction=kv_fraction,
+    )  # fmt: skip
+    return trtllm_repo.trtllm_models(settings)
+
+
+def write_plan_repository(plan: Plan, cfg: GpuBuildConfig) -> list[Path]:
+    """Write the repository's own files (config.pbtxt, model.yaml). Upstream model.py files are copied by
+    the real build, from the pinned checkout."""
+    from specpipe.triton import trtllm_repo
+
+    if plan.repo_dir is None or cfg.backend != "trtllm":
+        return []
+    jobs = _jobs_from_plan(plan)
+    limits = Limits(
+        dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, max_input_len=cfg.max_input_len,
+        max_seq_len=int(plan.limits["max_seq_len"]), max_draft_len=cfg.max_draft_len, calib_size=cfg.calib_size,
+    )  # fmt: skip
+    kv_fraction = cfg.kv_cache_free_gpu_mem_fraction or (SHARED_KV_FRACTION if cfg.draft_placement == "shared" else ALONE_KV_FRACTION)
+    models = repository_models(cfg, jobs, limits, Path(plan.work_dir), kv_fraction)
+    model_yaml = None
+    if cfg.trtllm_flow == "llmapi":
+        model_yaml = llmapi_model_yaml(jobs[0], jobs[1], limits, kv_fraction).to_yaml()
+    return trtllm_repo.write_repository(models, Path(plan.repo_dir), model_yaml=model_yaml)
+
+
+def _jobs_from_plan(plan: Plan) -> list[ModelJob]:
+    work = Path(plan.work_dir)
+    return [
+        ModelJob(m.role, m.shape, work / "hf" / m.role, m.quant, m.kv_cache_dtype, m.tp, m.gpus, work / "trtllm" / m.role)  # type: ignore[arg-type]
+        for m in (plan.target, plan.draft)
+    ]
+
+
+def _planned(job: ModelJob, cfg: GpuBuildConfig, work: Path) -> PlannedModel:
+    artifacts = job.engine_dir if cfg.backend == "trtllm" else tensorrt_engine_dir(work, job.role)
+    if cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi":
+        from specpipe.gpu.trtllm import llmapi_model_dir
+
+        artifacts = llmapi_model_dir(job)
+    return PlannedModel(
+        role=job.role, shape=job.shape, quant=job.quant, kv_cache_dtype=job.kv_cache_dtype, tp=job.tp, gpus=job.gpus,
+        artifacts=str(artifacts),
+    )  # fmt: skip
+
+
+# ---- rendering --------------------------------------------------------------------------------------------
+
+
+def render_plan(plan: Plan) -> str:
+    """The plan as a person reads it: models, steps with their exact commands, files, memory per GPU."""
+    lines = [f"GPU build plan: {plan.name} (backend {plan.backend}, flow {plan.flow})"]
+    lines += ["  versions: " + ", ".join(f"{k} {v}" for k, v in plan.versions.items())]
+    lines += ["  limits: " + ", ".join(f"{k}={v}" for k, v in plan.limits.items())]
+    for m in (plan.target, plan.draft):
+        s = m.shape
+        lines.append(
+            f"  {m.role:6} {s.spec}: {s.params / 1e9:.2f}B params, {s.layers} layers, hidden {s.hidden}, heads {s.heads}/{s.kv_heads} kv,"
+            f" vocab {s.vocab}; quant {m.quant}, KV {m.kv_cache_dtype}, tp {m.tp} on GPU {','.join(map(str, m.gpus))}"
+        )
+    lines.append("")
+    lines.append("Steps (G = runs on a GPU):")
+    for i, step in enumerate(plan.steps, 1):
+        lines.append(f"  {i:2}. [{'G' if step.gpu else ' '}] {step.id}: {step.title}")
+        if step.kind != "write":
+            lines.append(f"        {step.display()}")
+        if step.source:
+            lines.append(f"        source: {step.source}")
+    lines.append("")
+    lines.append("Files written:")
+    lines += [f"  {path}" for path in plan.files]
+    lines.append("")
+    lines.append(_render_memory(plan.memory))
+    if plan.serve:
+        lines += ["", "Serve (on the GPU machine):", "  " + " ".join(plan.serve)]
+    if plan.notes:
+        lines += ["", "Notes:"] + [f"  - {n}" for n in plan.notes]
+    needs = plan.requirements()
+    if needs:
+        lines += ["", "Needs on the build machine: " + ", ".join(needs)]
+    return "\n".join(lines)
+
+
+def _render_memory(memory: MemoryPlan) -> str:
+    t, d = memory.target, memory.draft
+    lines = [
+        "GPU memory (estimate, GB = 1e9 bytes; see specpipe/gpu/memory.py for the rules):",
+        f"  target weights {t.weights_total_gb:.1f} GB in all, {t.weights_gb:.2f} per rank x {t.tp}; KV {t.kv_bytes_per_token} B/token/rank x {t.kv_tokens} tokens",
+        f"  draft  weights {d.weights_total_gb:.1f} GB in all, {d.weights_gb:.2f} per rank x {d.tp}; KV {d.kv_bytes_per_token} B/token/rank x {d.kv_tokens} tokens",
+        f"  {'GPU':>3}  {'weights':>8}  {'KV cache':>8}  {'reserve':>7}  {'total':>7}  models",
+    ]
+    for g in memory.gpus:
+        lines.append(
+            f"  {g.gpu:>3}  {g.weights_gb:8.2f}  {g.kv_cache_gb:8.2f}  {g.reserve_gb:7.2f}  {g.total_gb:7.2f}  {', '.join(g.models)}"
+        )
+    if memory.gpu_memory_gb is not None:
+        verdict = "fits" if memory.fits else "does NOT fit"
+        lines.append(f"  busiest GPU {memory.peak_gb:.1f} GB of {memory.gpu_memory_gb:g} GB: {verdict}")
+    return "\n".join(lines)

@@ -1,0 +1,254 @@
+"""Execute a GPU plan where CUDA and the packages exist; elsewhere stop before any step, in one line.
+
+Each Step of the plan is executed as printed: a command runs with subprocess, a Python call is made with
+the plan's arguments. Requirements are checked first, all of them, so a machine without a GPU learns
+everything it lacks at once and nothing is half-built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Callable, Optional
+
+from specpipe.config import GpuBuildConfig
+from specpipe.errors import EngineError, SpecpipeError
+from specpipe.gpu import upstream
+from specpipe.gpu.plan import PLAN_JSON, Plan, tensorrt_engine_dir, write_plan_repository
+from specpipe.gpu.steps import Step
+
+Progress = Callable[[str], None]
+
+
+class GpuUnavailableError(SpecpipeError):
+    """The machine lacks what a real GPU build needs (CUDA, packages, the pinned checkout)."""
+
+
+def missing_requirements(plan: Plan, cfg: GpuBuildConfig) -> list[str]:
+    """What this machine lacks for `plan`, each as a short phrase; empty when the build can run."""
+    needs = set(plan.requirements())
+    missing = []
+    if "cuda" in needs and not _cuda_available():
+        missing.append("a CUDA GPU (torch.cuda.is_available() is False)")
+    if "tensorrt" in needs and importlib.util.find_spec("tensorrt") is None:
+        missing.append(f"the tensorrt package (>= {upstream.TENSORRT_MIN_VERSION})")
+    if "tensorrt_llm" in needs:
+        found = _version("tensorrt-llm")
+        wanted = upstream.TRTLLM_ENGINE_VERSION
+        if found is None:
+            missing.append(f"tensorrt-llm=={wanted}")
+        elif plan.flow == "engine" and found != wanted:
+            missing.append(f"tensorrt-llm=={wanted} (found {found}; the TensorRT engine path was removed after {upstream.TRTLLM_LAST_ENGINE_RC})")
+    if "trtllm-build" in needs and shutil.which(upstream.TRTLLM_BUILD) is None:
+        missing.append("trtllm-build on PATH")
+    if "modelopt" in needs and importlib.util.find_spec("modelopt") is None:
+        missing.append("nvidia-modelopt")
+    if "trtllm-checkout" in needs:
+        checkout = Path(cfg.trtllm_checkout)
+        probe = checkout / (upstream.QUANTIZE_SCRIPT if plan.flow == "engine" else upstream.LLMAPI_TEMPLATES_DIR)
+        if not probe.exists():
+            missing.append(f"a NVIDIA/TensorRT-LLM checkout at {upstream.TRTLLM_ENGINE_TAG} in {checkout} (--trtllm-checkout; no {probe})")
+    return missing
+
+
+def run_plan(plan: Plan, cfg: GpuBuildConfig, progress: Optional[Progress] = None) -> Path:
+    """Build everything the plan lists. Returns the work folder (engines/<name>)."""
+    say = progress or (lambda msg: None)
+    missing = missing_requirements(plan, cfg)
+    if missing:
+        raise GpuUnavailableError(
+            f"cannot run the {plan.backend} build here, it needs: {'; '.join(missing)} (nothing was built; --dry-run prints the plan)"
+        )
+    work = Path(plan.work_dir)
+    context: dict[str, object] = {}
+    for step in plan.steps:
+        say(f"{step.id}: {step.title}")
+        _execute(step, plan, cfg, context)
+    return work
+
+
+def _execute(step: Step, plan: Plan, cfg: GpuBuildConfig, context: dict) -> None:
+    work = Path(plan.work_dir)
+    if step.kind == "command":
+        result = subprocess.run(step.argv, capture_output=True, text=True)
+        if result.returncode != 0:
+            tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
+            raise EngineError(f"{step.id} failed (exit {result.returncode}): {tail}")
+        return
+    handler = _HANDLERS.get(step.id.split(".")[-1] if "." in step.id else step.id)
+    if handler is None:
+        raise EngineError(f"no executor for plan step {step.id}")
+    handler(step, plan, cfg, context, work)
+
+
+def _resolve(step, plan, cfg, context, work):
+    from specpipe.checkpoint import resolve_checkpoint
+
+    role = step.id.split(".")[0]
+    resolved = resolve_checkpoint(step.kwargs["spec"], allow_pickle=False)
+    link = work / "hf" / role
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(Path(resolved.path).absolute(), target_is_directory=True)
+    if role == "draft":
+        from specpipe.checkpoint import check_pair
+
+        check_pair(work / "hf" / "target", link)
+
+
+def _tokenizer(step, plan, cfg, context, work):
+    from specpipe.checkpoint import load_tokenizer
+
+    load_tokenizer(Path(step.kwargs["path"])).save_pretrained(str(work / "tokenizer"))
+
+
+def _deployment(step, plan, cfg, context, work):
+    from specpipe.build import build
+    from specpipe.config import BuildConfig
+
+    kwargs = dict(step.kwargs, force=True)
+    build(BuildConfig(**kwargs))
+
+
+def _export(step, plan, cfg, context, work):
+    from specpipe.checkpoint import resolve_checkpoint
+    from specpipe.export.onnx import export_onnx
+
+    export_onnx(Path(resolve_checkpoint(step.kwargs["checkpoint"]).path), Path(step.kwargs["out_dir"]))
+
+
+def _quantize(step, plan, cfg, context, work):
+    from specpipe.config import QuantConfig
+    from specpipe.quantize.calibration import calibration_batches
+    from specpipe.quantize.graph import load_model, untie_lm_head
+    from specpipe.quantize.static import quantize_calibrated
+
+    from transformers import AutoTokenizer
+
+    quant = QuantConfig(mode=step.kwargs["mode"])
+    tokenizer = AutoTokenizer.from_pretrained(str(work / "tokenizer"))
+    model = load_model(Path(step.kwargs["model"]).parent)
+    untie_lm_head(model)
+    quantize_calibrated(
+        model, Path(step.kwargs["out_dir"]), mode=quant.mode, calib=calibration_batches(tokenizer, quant),
+        window=quant.calib_window, smooth_quant=False,
+    )  # fmt: skip
+
+
+def _autocast(step, plan, cfg, context, work):
+    from specpipe.gpu.tensorrt_build import autocast
+
+    dtype = next(k for k, v in upstream.AUTOCAST_LOW_PRECISION.items() if v == step.kwargs["low_precision_type"])
+    autocast(Path(step.kwargs["onnx_path"]), Path(step.writes[0]).parent, dtype)
+
+
+def _engine(step, plan, cfg, context, work):
+    from specpipe.gpu.tensorrt_build import build_engine, optimization_profiles, write_tensorrt_meta
+
+    role = step.id.split(".")[0]
+    model = plan.target if role == "target" else plan.draft
+    limits = plan.limits
+    profiles = optimization_profiles(
+        model.shape, max_seq_len=int(limits["max_seq_len"]), max_input_len=int(limits["max_input_len"]),
+        max_draft_len=int(limits["max_draft_len"]),
+    )  # fmt: skip
+    out = tensorrt_engine_dir(work, role)
+    build_engine(Path(step.kwargs["onnx"]), out, profiles)
+    precision = cfg.dtype if model.quant == "none" else "float32"
+    write_tensorrt_meta(
+        out, model.shape, profiles, max_seq_len=int(limits["max_seq_len"]), max_draft_len=int(limits["max_draft_len"]),
+        precision=precision, quant=model.quant,
+    )  # fmt: skip
+
+
+def _manifest(step, plan, cfg, context, work):
+    from specpipe.manifest import file_hashes
+
+    path = work / "manifest.json"
+    manifest = json.loads(path.read_text())
+    for role in ("target", "draft"):
+        folder = tensorrt_engine_dir(work, role)
+        manifest[role]["engine"] = {"path": folder.name, "backend": "tensorrt", "files": file_hashes(folder)}
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _repository(step, plan, cfg, context, work):
+    write_plan_repository(plan, cfg)
+
+
+def _repository_check(step, plan, cfg, context, work):
+    """The written config.pbtxt files against the pinned checkout's templates, tensor by tensor."""
+    from specpipe.triton.model_config import read_config
+
+    repo = Path(plan.repo_dir)
+    names = [p.name for p in sorted(repo.iterdir()) if (p / "config.pbtxt").is_file()]
+    problems = []
+    for name in names:
+        ours = read_config(repo / name)
+        problems += _compare_proto(name, ours, Path(step.kwargs["templates_dir"]), plan.flow)
+    if problems:
+        raise EngineError("the repository does not match the pinned tensorrtllm_backend templates: " + "; ".join(problems))
+
+
+def _compare_proto(name: str, ours, templates: Path, flow: str) -> list[str]:
+    from specpipe.triton.trtllm_repo import parse_template
+
+    template = templates / ("" if flow == "llmapi" else ("tensorrt_llm" if name == "tensorrt_llm_draft" else name)) / "config.pbtxt"
+    theirs = parse_template(template.read_text())
+    problems = []
+    for kind in ("input", "output"):
+        a = {t.name for t in getattr(ours, kind)}
+        b = {t.name for t in getattr(theirs, kind)}
+        problems += [f"{name}: {kind} {n!r} differs" for n in sorted(a ^ b)]
+    return problems
+
+
+def _model_py(step, plan, cfg, context, work):
+    from specpipe.triton.trtllm_repo import copy_upstream_model_files
+
+    repo = Path(plan.repo_dir)
+    names = [p.name for p in sorted(repo.iterdir()) if p.is_dir()]
+    copy_upstream_model_files(repo, Path(step.kwargs["checkout"]), plan.flow, names)
+
+
+def _plan_json(step, plan, cfg, context, work):
+    work.mkdir(parents=True, exist_ok=True)
+    (work / PLAN_JSON).write_text(plan.model_dump_json(indent=2) + "\n")
+
+
+_HANDLERS = {
+    "resolve": _resolve,
+    "tokenizer": _tokenizer,
+    "deployment": _deployment,
+    "export": _export,
+    "quantize": _quantize,
+    "autocast": _autocast,
+    "engine": _engine,
+    "manifest": _manifest,
+    "repository": _repository,
+    "check": _repository_check,
+    "model_py": _model_py,
+    "plan": _plan_json,
+}
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def _version(dist: str) -> Optional[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None

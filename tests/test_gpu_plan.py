@@ -1,0 +1,426 @@
+"""GPU plans and the TensorRT-LLM Triton repository, checked against what upstream expects (no GPU needed).
+
+The expectations below are copied from the upstream files named next to them, independently of
+specpipe/gpu/upstream.py: if someone edits a flag there, these tests fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specpipe.config import GpuBuildConfig
+from specpipe.errors import IncompatiblePairError, UsageError
+from specpipe.gpu import GpuMemoryError, make_plan, render_plan, write_plan_repository
+from specpipe.gpu.memory import GB, kv_bytes_per_token
+from specpipe.gpu.shapes import resolve_shape, shape_from_config
+from specpipe.gpu.tensorrt_build import optimization_profiles, select_profile
+from specpipe.triton.model_config import parse_config, read_config
+from specpipe.triton.trtllm_repo import compare_with_templates, parse_template
+
+# trtllm-build flags in TensorRT-LLM 1.2.1 (gh-pages 1.2.1/commands/trtllm-build.html @58fb435e), the
+# subset a plan may use, with the choices of the ones that take a fixed set.
+TRTLLM_BUILD_FLAGS = {
+    "--checkpoint_dir", "--output_dir", "--max_batch_size", "--max_input_len", "--max_seq_len", "--max_num_tokens",
+    "--gemm_plugin", "--use_paged_context_fmha", "--use_fp8_context_fmha", "--speculative_decoding_mode",
+    "--max_draft_len", "--gather_generation_logits", "--workers", "--kv_cache_type", "--remove_input_padding",
+}  # fmt: skip
+BUILD_CHOICES = {
+    "--gemm_plugin": {"auto", "float16", "float32", "bfloat16", "int32", "fp8", "nvfp4", "disable"},
+    "--use_paged_context_fmha": {"enable", "disable"},
+    "--speculative_decoding_mode": {"draft_tokens_external", "lookahead_decoding", "medusa", "explicit_draft_tokens", "eagle"},
+}
+# examples/quantization/quantize.py (@059c97c1)
+QUANTIZE_FLAGS = {
+    "--model_dir", "--dtype", "--qformat", "--kv_cache_dtype", "--calib_size", "--output_dir", "--tp_size", "--pp_size",
+    "--export_format", "--calib_dataset", "--batch_size", "--awq_block_size",
+}  # fmt: skip
+QUANTIZE_CHOICES = {
+    "--qformat": {"nvfp4", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "int8_wo", "int4_wo", "full_prec"},
+    "--kv_cache_dtype": {"int8", "fp8"},
+    "--dtype": {"auto", "float16", "bfloat16", "float32"},
+    "--export_format": {"tensorrt_llm", "hf"},
+}
+# examples/models/core/llama/convert_checkpoint.py (@368f8f2a)
+CONVERT_FLAGS = {"--model_dir", "--output_dir", "--dtype", "--tp_size", "--pp_size", "--workers", "--fp8_kv_cache"}
+# Parameter keys of triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt (@0c8de69a)
+TENSORRT_LLM_PARAMETER_KEYS = {
+    "max_beam_width", "FORCE_CPU_ONLY_INPUT_TENSORS", "gpt_model_type", "gpt_model_path", "encoder_model_path",
+    "max_tokens_in_paged_kv_cache", "max_attention_window_size", "sink_token_length", "batch_scheduler_policy",
+    "kv_cache_free_gpu_mem_fraction", "cross_kv_cache_fraction", "kv_cache_host_memory_bytes", "kv_cache_onboard_blocks",
+    "enable_trt_overlap", "exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms",
+    "iter_stats_max_iterations", "request_stats_max_iterations", "enable_kv_cache_reuse", "normalize_log_probs",
+    "enable_chunked_context", "gpu_device_ids", "participant_ids", "num_nodes", "lora_cache_optimal_adapter_size",
+    "lora_cache_max_adapter_size", "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes", "lora_prefetch_dir",
+    "decoding_mode", "executor_worker_path", "lookahead_window_size", "lookahead_ngram_size",
+    "lookahead_verification_set_size", "medusa_choices", "eagle_choices", "gpu_weights_percent",
+    "enable_context_fmha_fp32_acc", "multi_block_mode", "cuda_graph_mode", "cuda_graph_cache_size",
+    "speculative_decoding_fast_logits", "tokenizer_dir", "guided_decoding_backend", "xgrammar_tokenizer_info_path",
+}  # fmt: skip
+# tensorrt_llm_bls/config.pbtxt (@0193dbd4), preprocessing (@08dc37e3), postprocessing (@89fd9b74)
+BLS_PARAMETER_KEYS = {"accumulate_tokens", "tensorrt_llm_model_name", "tensorrt_llm_draft_model_name", "multimodal_encoders_name"}
+PRE_PARAMETER_KEYS = {"tokenizer_dir", "add_special_tokens", "multimodal_model_path", "gpt_model_path", "max_num_images", "hf_model_path"}
+POST_PARAMETER_KEYS = {"tokenizer_dir", "skip_special_tokens"}
+# docs/model_config.md (tensorrtllm_backend v1.0.0): batching_strategy values
+BATCHING = {"inflight_fused_batching", "V1"}
+
+SIX_MODELS = {"ensemble", "preprocessing", "tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls", "postprocessing"}
+
+
+def _cfg(tmp_path: Path, **kw) -> GpuBuildConfig:
+    base = dict(target="llama-70b", draft="llama-7b", engines_dir=tmp_path / "engines", repo_dir=tmp_path / "repo", dry_run=True)
+    return GpuBuildConfig(**(base | kw))
+
+
+def _flags(argv: tuple[str, ...]) -> dict[str, str | None]:
+    """--flag value pairs (a flag followed by another flag, or last, has no value)."""
+    flags, items = {}, list(argv)
+    for i, item in enumerate(items):
+        if item.startswith("--"):
+            nxt = items[i + 1] if i + 1 < len(items) else None
+            flags[item] = None if nxt is None or nxt.startswith("--") else nxt
+    return flags
+
+
+def _step(plan, step_id: str):
+    (step,) = [s for s in plan.steps if s.id == step_id]
+    return step
+
+
+# ---- 70B + 7B with TensorRT-LLM ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_llama_70b_7b_fp8_plan_uses_upstream_flags(tmp_path, tp):
+    plan = make_plan(_cfg(tmp_path, quant="fp8", tp_size=tp, kv_cache_dtype="fp8"))
+    assert plan.versions["tensorrt_llm"] == "1.2.1"
+
+    quantize = _flags(_step(plan, "target.quantize").argv)
+    assert set(quantize) <= QUANTIZE_FLAGS
+    assert quantize["--qformat"] == "fp8" and quantize["--kv_cache_dtype"] == "fp8"
+    assert quantize["--tp_size"] == str(tp) and quantize["--export_format"] == "tensorrt_llm"
+    for flag, allowed in QUANTIZE_CHOICES.items():
+        assert quantize.get(flag) in allowed | {None}
+
+    # the draft is not quantized but its KV cache is: quantize.py with full_prec and --kv_cache_dtype fp8
+    draft_quantize = _flags(_step(plan, "draft.quantize").argv)
+    assert draft_quantize["--qformat"] == "full_prec" and draft_quantize["--tp_size"] == "1"
+
+    for role in ("target", "draft"):
+        step = _step(plan, f"{role}.engine")
+        assert step.argv[0] == "trtllm-build" and step.gpu
+        flags = _flags(step.argv)
+        assert set(flags) <= TRTLLM_BUILD_FLAGS, set(flags) - TRTLLM_BUILD_FLAGS
+        assert "--tp_size" not in flags  # trtllm-build has none: tp comes from the checkpoint
+        for flag, allowed in BUILD_CHOICES.items():
+            assert flags.get(flag) in allowed | {None}
+        assert flags["--use_paged_context_fmha"] == "enable"  # draft_target_model/README.md: needed for KV reuse
+    target_flags = _flags(_step(plan, "target.engine").argv)
+    assert target_flags["--speculative_decoding_mode"] == "draft_tokens_external"
+    assert target_flags["--max_draft_len"] == "8"
+    assert "--speculative_decoding_mode" not in _flags(_step(plan, "draft.engine").argv)
+    # trtllm-build writes config.json and one rank{i}.engine per rank (tensorrt_llm/builder.py Engine.save)
+    engine_files = {Path(p).name for p in _step(plan, "target.engine").writes}
+    assert engine_files == {"config.json"} | {f"rank{r}.engine" for r in range(tp)}
+    assert plan.target.gpus == tuple(range(tp)) and plan.draft.gpus == (0,)
+    # nothing GPU-side runs before the pair is resolved on the CPU
+    first_gpu = next(i for i, s in enumerate(plan.steps) if s.gpu)
+    assert {s.id for s in plan.steps[:first_gpu]} == {"target.resolve", "draft.resolve", "tokenizer"}
+
+
+def test_unquantized_plan_converts_with_convert_checkpoint(tmp_path):
+    plan = make_plan(_cfg(tmp_path, tp_size=8))
+    step = _step(plan, "target.checkpoint")
+    assert step.argv[1].endswith("examples/models/core/llama/convert_checkpoint.py")
+    flags = _flags(step.argv)
+    assert set(flags) <= CONVERT_FLAGS and flags["--tp_size"] == "8" and flags["--dtype"] == "float16"
+
+
+@pytest.mark.parametrize("quant, qformat", [("fp8", "fp8"), ("int8", "int8_sq"), ("int4-wo", "int4_awq"), ("int8-wo", "int8_wo")])
+def test_quant_modes_map_to_modelopt_qformats(tmp_path, quant, qformat):
+    plan = make_plan(_cfg(tmp_path, quant=quant, tp_size=8))
+    assert _flags(_step(plan, "target.quantize").argv)["--qformat"] == qformat
+
+
+def test_memory_estimate_70b_fp8(tmp_path):
+    plan = make_plan(_cfg(tmp_path, quant="fp8", tp_size=8, kv_cache_dtype="fp8"))
+    target = plan.memory.target
+    assert 65 < target.weights_total_gb < 75  # ~70 GB: 1 byte per linear weight + fp16 embedding and lm_head
+    embedding_gb = 32000 * 8192 * 2 / GB
+    assert target.weights_gb == pytest.approx((target.weights_total_gb - embedding_gb) / 8 + embedding_gb, rel=1e-9)
+    # KV: 2 x 80 layers x (8 KV heads / 8 ranks) x 128 x 1 byte
+    assert target.kv_bytes_per_token == 2 * 80 * 1 * 128 * 1
+    assert target.kv_tokens == 8 * 4096  # max_batch_size x max_seq_len (Llama 2 context)
+    fp16 = make_plan(_cfg(tmp_path, tp_size=8)).memory.target
+    assert 130 < fp16.weights_total_gb < 145
+    # GPU 0 holds a target rank and the whole draft; the other GPUs one target rank each
+    gpu0, gpu1 = plan.memory.gpus[0], plan.memory.gpus[1]
+    assert gpu0.weights_gb == pytest.approx(target.weights_gb + plan.memory.draft.weights_gb)
+    assert gpu1.total_gb < gpu0.total_gb and len(plan.memory.gpus) == 8
+
+
+def test_kv_heads_replicate_beyond_their_count():
+    llama70 = resolve_shape("llama-70b")  # 8 KV heads
+    assert kv_bytes_per_token(llama70, "auto", 8) == kv_bytes_per_token(llama70, "auto", 16) == 2 * 80 * 128 * 2
+
+
+def test_tp_suggestion_for_gpu_memory(tmp_path):
+    fp8 = dict(quant="fp8", draft_quant="fp8", kv_cache_dtype="fp8")
+    with pytest.raises(GpuMemoryError) as err:
+        make_plan(_cfg(tmp_path, tp_size=1, gpu_memory_gb=80, **fp8))
+    assert err.value.suggested_tp == 2 and "--tp-size 2" in str(err.value) and err.value.peak_gb > 80
+    assert make_plan(_cfg(tmp_path, tp_size=2, gpu_memory_gb=80, **fp8)).memory.fits
+    plan = make_plan(_cfg(tmp_path, tp_size=8, gpu_memory_gb=80, **fp8))
+    assert plan.memory.fits and any("--tp-size 2 would also fit" in n for n in plan.notes)
+    # 24 GB GPUs: the draft sharing GPU 0 is what does not fit; its own GPU does
+    with pytest.raises(GpuMemoryError, match="--draft-placement separate --tp-size 4"):
+        make_plan(_cfg(tmp_path, tp_size=2, gpu_memory_gb=24, **fp8))
+    with pytest.raises(GpuMemoryError) as err:
+        make_plan(_cfg(tmp_path, tp_size=8, gpu_memory_gb=8, **fp8))
+    assert err.value.suggested_tp is None and "no --tp-size up to 8 fits" in str(err.value)
+
+
+def test_bad_requests_are_refused(tmp_path):
+    with pytest.raises(UsageError, match="2166"):  # int8 KV cache + paged context FMHA
+        make_plan(_cfg(tmp_path, kv_cache_dtype="int8", tp_size=8))
+    with pytest.raises(UsageError, match="attention heads do not split over 3"):
+        make_plan(_cfg(tmp_path, tp_size=3))
+    with pytest.raises(IncompatiblePairError):  # Llama 2 and Llama 3 tokenizers differ
+        make_plan(_cfg(tmp_path, draft="llama-3.1-8b", tp_size=8))
+    with pytest.raises(UsageError, match="neither a known alias"):
+        make_plan(_cfg(tmp_path, target=str(tmp_path / "nowhere")))
+
+
+# ---- the tensorrtllm_backend repository ------------------------------------------------------------------
+
+
+def _written_repo(tmp_path, **kw):
+    cfg = _cfg(tmp_path, quant="fp8", tp_size=8, kv_cache_dtype="fp8", **kw)
+    plan = make_plan(cfg)
+    written = write_plan_repository(plan, cfg)
+    return plan, {p.parent.name: read_config(p.parent) for p in written if p.name == "config.pbtxt"}
+
+
+def test_repository_models_and_parameters(tmp_path):
+    plan, configs = _written_repo(tmp_path)
+    assert set(configs) == SIX_MODELS
+    for name, config in configs.items():
+        assert config.name == name
+    llm, draft = configs["tensorrt_llm"], configs["tensorrt_llm_draft"]
+    for config, job in ((llm, plan.target), (draft, plan.draft)):
+        params = {k: v.string_value for k, v in config.parameters.items()}
+        assert set(params) <= TENSORRT_LLM_PARAMETER_KEYS, set(params) - TENSORRT_LLM_PARAMETER_KEYS
+        assert config.backend == "tensorrtllm"
+        assert params["gpt_model_path"] == str(Path(job.artifacts).absolute())
+        assert params["gpt_model_type"] in BATCHING
+        assert 0 < float(params["kv_cache_free_gpu_mem_fraction"]) <= 1
+        assert params["enable_kv_cache_reuse"] == "true"
+        assert params["gpu_device_ids"] == ",".join(map(str, job.gpus))
+        assert not config.model_transaction_policy.decoupled  # the BLS calls both without streaming
+    bls = configs["tensorrt_llm_bls"]
+    params = {k: v.string_value for k, v in bls.parameters.items()}
+    assert set(params) <= BLS_PARAMETER_KEYS
+    assert params["tensorrt_llm_model_name"] == "tensorrt_llm"
+    assert params["tensorrt_llm_draft_model_name"] == "tensorrt_llm_draft"
+    assert set(configs["preprocessing"].parameters) <= PRE_PARAMETER_KEYS
+    assert set(configs["postprocessing"].parameters) <= POST_PARAMETER_KEYS
+    assert configs["ensemble"].platform == "ensemble"
+
+
+def test_bls_speaks_the_client_protocol(tmp_path):
+    _, configs = _written_repo(tmp_path)
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    def types(tensors):
+        return {t.name: mc.DataType.Name(t.data_type) for t in tensors}
+
+    inputs, outputs = types(configs["tensorrt_llm_bls"].input), types(configs["tensorrt_llm_bls"].output)
+    expected_inputs = {
+        "text_input": "TYPE_STRING", "max_tokens": "TYPE_INT32", "stream": "TYPE_BOOL", "temperature": "TYPE_FP32",
+        "top_p": "TYPE_FP32", "top_k": "TYPE_INT32", "end_id": "TYPE_INT32", "stop_words": "TYPE_STRING",
+        "num_draft_tokens": "TYPE_INT32", "return_perf_metrics": "TYPE_BOOL", "use_draft_logits": "TYPE_BOOL",
+    }  # fmt: skip
+    assert {k: inputs[k] for k in expected_inputs} == expected_inputs
+    expected_outputs = {
+        "text_output": "TYPE_STRING", "acceptance_rate": "TYPE_FP32",
+        "total_accepted_draft_tokens": "TYPE_INT32", "total_draft_tokens": "TYPE_INT32",
+    }  # fmt: skip
+    assert {k: outputs[k] for k in expected_outputs} == expected_outputs
+    ensemble_inputs = types(configs["ensemble"].input)
+    assert ensemble_inputs["text_input"] == "TYPE_STRING" and ensemble_inputs["max_tokens"] == "TYPE_INT32"
+
+
+def test_ensemble_wiring_is_consistent(tmp_path):
+    """Every mapped tensor exists on the composing model, and every ensemble tensor has a producer."""
+    _, configs = _written_repo(tmp_path)
+    ensemble = configs["ensemble"]
+    produced = {t.name for t in ensemble.input}
+    for step in ensemble.ensemble_scheduling.step:
+        model = configs[step.model_name]
+        model_inputs, model_outputs = {t.name for t in model.input}, {t.name for t in model.output}
+        assert set(step.input_map) <= model_inputs, set(step.input_map) - model_inputs
+        assert set(step.input_map.values()) <= produced, set(step.input_map.values()) - produced
+        required = {t.name for t in model.input if not t.optional}
+        assert required <= set(step.input_map), required - set(step.input_map)
+        assert set(step.output_map) <= model_outputs
+        produced |= set(step.output_map.values())
+    assert {t.name for t in ensemble.output} <= produced
+
+
+def test_template_comparison_catches_drift(tmp_path):
+    """The drift check parses a fill_template-style template and names a renamed tensor."""
+    template = (
+        'name: "tensorrt_llm_bls"\nbackend: "python"\nmax_batch_size: ${triton_max_batch_size}\n'
+        "model_transaction_policy {\n  decoupled: ${decoupled_mode}\n}\n"
+        'input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] },\n'
+        '        { name: "random_seed" data_type: TYPE_UINT64 dims: [ 1 ] optional: true } ]\n'
+        'output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] },\n'
+        '         { name: "context_logits" data_type: ${logits_datatype} dims: [ -1, -1 ] } ]\n'
+        'parameters: { key: "tensorrt_llm_model_name" value: { string_value: "${tensorrt_llm_model_name}" } }\n'
+        "instance_group [ { count: ${bls_instance_count} kind : KIND_CPU } ]\n"
+    )
+    parsed = parse_template(template)
+    assert parsed.max_batch_size == 1 and parsed.parameters["tensorrt_llm_model_name"].string_value == "${tensorrt_llm_model_name}"
+    (tmp_path / "tensorrt_llm_bls").mkdir()
+    (tmp_path / "tensorrt_llm_bls" / "config.pbtxt").write_text(template)
+    from specpipe.triton.model_config import ModelSpec
+    from specpipe.triton.trtllm_repo import BLS_INPUTS, TEXT_OUTPUTS
+
+    outputs = tuple(t for t in TEXT_OUTPUTS if t.name in ("text_output", "context_logits"))
+    bls = ModelSpec(name="tensorrt_llm_bls", backend="python", max_batch_size=8, inputs=BLS_INPUTS[:1], outputs=outputs)
+    problems = compare_with_templates([bls], tmp_path)
+    assert problems == ["tensorrt_llm_bls: input 'random_seed' is only in upstream's config"]
+
+
+def test_llmapi_flow_writes_model_yaml(tmp_path):
+    cfg = _cfg(tmp_path, trtllm_flow="llmapi", quant="fp8", tp_size=8, kv_cache_dtype="fp8")
+    plan = make_plan(cfg)
+    assert not any(s.argv and s.argv[0] == "trtllm-build" for s in plan.steps)  # no engine build on this path
+    assert _flags(_step(plan, "target.quantize").argv)["--export_format"] == "hf"
+    written = write_plan_repository(plan, cfg)
+    model_yaml = yaml.safe_load((tmp_path / "repo" / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    # llmapi/tensorrt_llm/1/model.yaml (@0ebb1536) + DecodingBaseConfig.from_dict (1.2.1 llm_args.py)
+    assert model_yaml["backend"] == "pytorch" and model_yaml["tensor_parallel_size"] == 8
+    assert model_yaml["speculative_config"] == {
+        "decoding_type": "DraftTarget", "max_draft_len": 8, "speculative_model": str(Path(plan.draft.artifacts).absolute()),
+    }  # fmt: skip
+    assert set(model_yaml["triton_config"]) == {"max_batch_size", "decoupled"}
+    assert model_yaml["kv_cache_config"]["dtype"] == "fp8"
+    config = parse_config((tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt").read_text())
+    assert config.backend == "python"
+    assert {"text_input", "sampling_param_max_tokens", "streaming"} <= {t.name for t in config.input}
+    assert len(written) == 2
+
+
+# ---- the SmolLM2 pair and the tensorrt backend ----------------------------------------------------------
+
+
+@pytest.fixture
+def smollm2_draft(tmp_path) -> Path:
+    """A distilled 2-layer draft with SmolLM2-135M's width and tokenizer (config.json only: plans read no weights)."""
+    folder = tmp_path / "smollm2-draft"
+    folder.mkdir()
+    config = {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "num_hidden_layers": 2, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_smollm2_trtllm_plan(tmp_path, smollm2_draft):
+    plan = make_plan(_cfg(tmp_path, target="smollm2-135m", draft=str(smollm2_draft), quant="fp8", tp_size=1))
+    assert plan.draft.shape.layers == 2 and plan.draft.shape.kv_heads == 3
+    assert _flags(_step(plan, "target.engine").argv)["--max_seq_len"] == "8192"
+    assert plan.memory.target.weights_total_gb < 0.3
+    assert "compared token by token" in " ".join(plan.notes)  # a folder draft: checked when resolved
+
+
+def test_smollm2_tensorrt_plan_and_profiles(tmp_path, smollm2_draft):
+    plan = make_plan(_cfg(tmp_path, backend="tensorrt", target="smollm2-135m", draft=str(smollm2_draft), repo_dir=None))
+    ids = [s.id for s in plan.steps]
+    assert ids[:4] == ["deployment", "target.export", "target.autocast", "target.engine"]
+    engine = _step(plan, "target.engine")
+    assert engine.call == "tensorrt.Builder.build_serialized_network" and engine.kwargs["network_flags"] == ["STRONGLY_TYPED"]
+    assert set(engine.kwargs["profiles"]) == {"prefill", "decode", "verify"}
+    assert _step(plan, "target.autocast").kwargs["low_precision_type"] == "fp16"
+
+    shape = shape_from_config(json.loads((smollm2_draft / "config.json").read_text()), spec="d")
+    profiles = optimization_profiles(shape, max_seq_len=512, max_input_len=256, max_draft_len=4)
+    prefill, decode, verify = profiles
+    assert verify.new_tokens.min == 2 and verify.new_tokens.max == 5  # last context token + K drafts
+    assert decode.new_tokens.max == 1 and prefill.new_tokens.max == 256
+    kv = verify.shapes["past_key_values.1.value"]
+    assert kv.min == (1, 3, 0, 64) and kv.max == (1, 3, 510, 64)  # [batch, kv_heads, past, head_dim]
+    assert set(verify.shapes) == {"input_ids", "attention_mask", "position_ids"} | {
+        f"past_key_values.{i}.{kind}" for i in range(2) for kind in ("key", "value")
+    }
+    for p in profiles:  # TensorRT requires min <= opt <= max in every dimension, the mask never past max_seq_len
+        for rng in p.shapes.values():
+            assert all(a <= b <= c for a, b, c in zip(rng.min, rng.opt, rng.max))
+        assert p.shapes["attention_mask"].max[1] <= 512
+    # every call the decoder can make has a profile; the narrowest one wins
+    assert [select_profile(profiles, n, 10) for n in (1, 2, 5, 6, 256)] == [1, 2, 2, 0, 0]
+    assert select_profile(profiles, 1, 0) == 1
+
+
+def test_tensorrt_backend_refusals(tmp_path):
+    with pytest.raises(UsageError, match="single-GPU"):
+        make_plan(_cfg(tmp_path, backend="tensorrt", target="smollm2-135m", draft="smollm2-135m", tp_size=2))
+    with pytest.raises(UsageError, match="MatMulNBits"):
+        make_plan(_cfg(tmp_path, backend="tensorrt", target="smollm2-135m", draft="smollm2-135m", quant="int4-wo"))
+    with pytest.raises(UsageError, match="--kv-cache-dtype needs --backend trtllm"):
+        make_plan(_cfg(tmp_path, backend="tensorrt", target="smollm2-135m", draft="smollm2-135m", kv_cache_dtype="fp8"))
+
+
+# ---- the command line ---------------------------------------------------------------------------------------
+
+
+def _specpipe(*args, cwd: Path) -> subprocess.CompletedProcess:
+    repo_root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo_root), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "specpipe", *args], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+def test_cli_dry_run_prints_plan_and_writes_repo(tmp_path):
+    args = ["build", "--target", "llama-70b", "--draft", "llama-7b", "--backend", "trtllm", "--quant", "fp8", "--tp-size", "8",
+            "--dry-run", "--repo-dir", str(tmp_path / "repo"), "--engines-dir", str(tmp_path / "engines")]  # fmt: skip
+    text = _specpipe(*args, cwd=tmp_path)
+    assert text.returncode == 0, text.stderr
+    assert "trtllm-build" in text.stdout and "draft_tokens_external" in text.stdout and "GPU memory" in text.stdout
+    assert {p.name for p in (tmp_path / "repo").iterdir()} == SIX_MODELS
+    as_json = _specpipe(*args, "--json", cwd=tmp_path)
+    plan = json.loads(as_json.stdout)
+    assert plan["backend"] == "trtllm" and plan["target"]["tp"] == 8 and len(plan["memory"]["gpus"]) == 8
+
+
+def test_cli_real_build_without_gpu_stops_in_one_line(tmp_path):
+    args = ["build", "--target", "llama-70b", "--draft", "llama-7b", "--backend", "trtllm", "--tp-size", "8",
+            "--repo-dir", str(tmp_path / "repo"), "--engines-dir", str(tmp_path / "engines")]  # fmt: skip
+    result = _specpipe(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "a CUDA GPU" in result.stderr and "tensorrt-llm==1.2.1" in result.stderr
+    assert not (tmp_path / "engines").exists() and not (tmp_path / "repo").exists()
+
+
+def test_cli_gpu_memory_error_is_one_line(tmp_path):
+    args = ["build", "--target", "llama-70b", "--draft", "llama-7b", "--backend", "trtllm", "--quant", "fp8", "--draft-quant", "fp8",
+            "--kv-cache-dtype", "fp8", "--tp-size", "1", "--gpu-memory-gb", "80", "--dry-run", "--repo-dir", str(tmp_path / "r")]  # fmt: skip
+    result = _specpipe(*args, cwd=tmp_path)
+    assert result.returncode == 2 and "use --tp-size 2" in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_render_plan_lists_every_file(tmp_path):
+    plan = make_plan(_cfg(tmp_path, quant="fp8", tp_size=4))
+    text = render_plan(plan)
+    for path in plan.files:
+        assert path in text
+    assert "rank3.engine" in text and "busiest" not in text  # no --gpu-memory-gb: no verdict

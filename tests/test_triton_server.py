@@ -1,0 +1,351 @@
+"""The served model through a real tritonserver on free loopback ports, over gRPC.
+
+One module-scoped server serves a relocated repository with two models built from the tiny pair:
+`ensemble` (an unrelated random draft: mostly rejections and rollbacks; 2 instances) and `self_draft`
+(draft = target: every draft accepted, so each streamed response carries several tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import specpipe
+from specpipe.build import build
+from specpipe.config import BuildConfig, GenerationConfig, SamplingConfig
+from specpipe.deployment import load_deployment
+from specpipe.errors import ServerError
+from specpipe.triton import ServerConfig, TritonServer, free_port, write_repository
+from specpipe.triton.client import remote_generate
+
+PROJECT_ROOT = Path(specpipe.__file__).resolve().parents[1]
+PROMPTS = ["def add(a, b):", "Héllo wörld — naïve café, 東京 🙂", "The quick brown fox", "import numpy as np\n"]
+
+
+def _ports() -> ServerConfig:
+    return ServerConfig(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port(), ready_timeout_s=180)
+
+
+@pytest.fixture(scope="module")
+def builds(tiny_target, tiny_draft, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("triton_engines")
+    make = lambda name, draft: build(  # noqa: E731
+        BuildConfig(target=str(tiny_target), draft=str(draft), name=name, engines_dir=root, repo_dir=None)
+    )
+    return {"ensemble": make("pair", tiny_draft), "self_draft": make("self", tiny_target)}
+
+
+@pytest.fixture(scope="module")
+def repo(builds, tmp_path_factory) -> Path:
+    """Written in one place, then moved: the server only ever sees the moved copy (relocatable)."""
+    written = tmp_path_factory.mktemp("written") / "triton_repo"
+    write_repository(builds["ensemble"], written, model_name="ensemble", instance_count=2)
+    write_repository(builds["self_draft"], written, model_name="self_draft", instance_count=1)
+    moved = tmp_path_factory.mktemp("moved") / "elsewhere"
+    shutil.move(str(written), str(moved))
+    assert not written.exists()
+    return moved
+
+
+@pytest.fixture(scope="module")
+def server(repo):
+    with TritonServer(repo, _ports()) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def local(builds):
+    """The same engines in-process: what the server must reproduce."""
+    deployments = {name: load_deployment(path, threads=1) for name, path in builds.items()}
+
+    def generate(model: str, prompt: str, cfg: GenerationConfig, chat: bool = False):
+        deployment = deployments[model]
+        return deployment.generator.generate(prompt, deployment.generation_config(**cfg.model_dump()), chat=chat)
+
+    return generate
+
+
+CONFIGS = {
+    "adaptive": GenerationConfig(max_new_tokens=24),
+    "fixed_k3": GenerationConfig(max_new_tokens=24, num_draft_tokens=3, draft_length="fixed"),
+    "target_only": GenerationConfig(max_new_tokens=24, speculative=False),
+    "sampled_seeded": GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(temperature=0.8, top_p=0.9), seed=11),
+}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not_streamed"])
+@pytest.mark.parametrize("model", ["ensemble", "self_draft"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_served_output_equals_in_process_output(server, local, model, config, stream):
+    cfg = CONFIGS[config]
+    for prompt in PROMPTS:
+        expected = local(model, prompt, cfg)
+        generation = remote_generate(server.url, prompt, cfg, stream=stream, model_name=model)
+        deltas = list(generation)
+        result = generation.result
+        assert result["token_ids"] == expected.token_ids, prompt
+        assert "".join(deltas) == result["text"] == expected.text, prompt
+        assert (result["drafted"], result["accepted"]) == (expected.stats.drafted, expected.stats.accepted)
+        assert result["finish_reason"] == expected.finish_reason
+        if stream:
+            assert sum(result["chunk_tokens"]) == len(expected.token_ids)
+            assert len(result["chunk_tokens"]) == expected.stats.steps  # one response per speculative step
+        else:
+            assert result["chunk_tokens"] == [len(expected.token_ids)]
+        if model == "self_draft" and cfg.speculative:
+            assert result["acceptance_rate"] == 1.0
+            if stream:
+                assert max(result["chunk_tokens"]) > 1  # several accepted tokens stream in one response
+
+
+def test_chat_template_is_applied_server_side(server, local):
+    cfg = CONFIGS["adaptive"]
+    generation = remote_generate(server.url, "hello", cfg, stream=True, chat=True)
+    "".join(generation)
+    expected = local("ensemble", "hello", cfg, chat=True)
+    assert generation.result["token_ids"] == expected.token_ids
+    assert generation.result["prompt_len"] == expected.prompt_len > len("hello")
+
+
+def test_concurrent_streaming_clients_all_complete_correctly_and_share_two_instances(server, local):
+    """8 clients x 5 streamed requests on a 2-instance model: all correct; at most 2 run at once, and 2 do."""
+    cfgs = [GenerationConfig(max_new_tokens=n) for n in (8, 16, 24, 32, 40)]
+    expected = {(p, c.max_new_tokens): local("ensemble", p, c).token_ids for p in PROMPTS for c in cfgs}
+    results, errors = [], []
+
+    def client(index: int) -> None:
+        try:
+            for j, cfg in enumerate(cfgs):
+                prompt = PROMPTS[(index + j) % len(PROMPTS)]
+                generation = remote_generate(server.url, prompt, cfg, stream=True)
+                text = "".join(generation)
+                results.append((prompt, cfg.max_new_tokens, text, generation.result))
+        except Exception as exc:  # surfaced below with the client's number
+            errors.append(f"client {index}: {exc!r}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    assert len(results) == 40
+    for prompt, max_tokens, text, result in results:
+        assert result["token_ids"] == expected[(prompt, max_tokens)]
+        assert text == result["text"]
+
+    # Server-side busy intervals (TensorRT-LLM's perf outputs): instances work in parallel, the rest queue.
+    events = sorted([(r["perf"]["arrival_time_ns"], 1) for *_, r in results]
+                    + [(r["perf"]["last_token_time_ns"], -1) for *_, r in results])
+    busy, most = 0, 0
+    for _, change in events:
+        busy += change
+        most = max(most, busy)
+    assert most == 2
+
+
+def _tensorrt_llm_client(url: str, prompt: str, *, streaming: bool, num_draft_tokens: int, seed: int):
+    """Written only from tensorrtllm_backend's inflight_batcher_llm/client/end_to_end_grpc_client.py:
+    its tensor names, dtypes, [1, 1] shapes and requested outputs. No specpipe imports."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = {
+        "text_input": np.array([[prompt]]).astype(object),
+        "max_tokens": np.ones_like([[prompt]]).astype(np.int32) * 20,
+        "stream": np.array([[streaming]], dtype=bool),
+        "beam_width": np.array([[1]], dtype=np.int32),
+        "temperature": np.array([[1.0]], dtype=np.float32),
+        "num_draft_tokens": np.array([[num_draft_tokens]], dtype=np.int32),
+        "seed": np.array([[seed]], dtype=np.uint64),
+        "exclude_input_in_output": np.array([[False]], dtype=bool),
+        "return_perf_metrics": np.array([[True]], dtype=bool),
+        "stop_words": np.array([["never-appears"]], dtype=object),
+    }
+    tensors = []
+    for name, value in inputs.items():
+        tensor = grpcclient.InferInput(name, value.shape, np_to_triton_dtype(value.dtype))
+        tensor.set_data_from_numpy(value)
+        tensors.append(tensor)
+    outputs = [grpcclient.InferRequestedOutput(name) for name in (
+        "text_output", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
+        "kv_cache_alloc_new_blocks", "arrival_time_ns", "first_token_time_ns", "last_token_time_ns")]
+    completed = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: completed.put(error or result))
+    client.async_stream_infer("ensemble", tensors, outputs=outputs, request_id="1")
+    client.stop_stream()  # waits until the server closes the stream
+    client.close()
+    text, last = "", None
+    while not completed.empty():
+        result = completed.get()
+        assert not isinstance(result, Exception), result
+        output = result.as_numpy("text_output")[0].decode("utf-8")
+        text = text + output if streaming else output
+        last = result
+    return text, {name: last.as_numpy(name)[0][0] for name in (
+        "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "arrival_time_ns", "last_token_time_ns")}
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "not_streamed"])
+def test_a_tensorrt_llm_client_works_unchanged(server, local, streaming):
+    prompt = PROMPTS[0]
+    text, perf = _tensorrt_llm_client(server.url, prompt, streaming=streaming, num_draft_tokens=3, seed=5)
+    cfg = GenerationConfig(max_new_tokens=20, num_draft_tokens=3, draft_length="fixed",
+                           sampling=SamplingConfig(temperature=1.0), seed=5, stop=["never-appears"])
+    expected = local("ensemble", prompt, cfg)
+    # TensorRT-LLM semantics: exclude_input_in_output false returns prompt + completion when not streaming.
+    assert text == (expected.text if streaming else prompt + expected.text)
+    assert perf["total_draft_tokens"] == expected.stats.drafted > 0
+    assert perf["total_accepted_draft_tokens"] == expected.stats.accepted
+    assert perf["acceptance_rate"] == pytest.approx(expected.stats.acceptance_rate)
+    assert perf["last_token_time_ns"] >= perf["arrival_time_ns"] > 0
+
+
+def _raw_request(url: str, tensors: dict[str, np.ndarray]):
+    """Send tensors as they are; return (error message or None, concatenated text)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, value in tensors.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    completed = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: completed.put((result, error)))
+    client.async_stream_infer("ensemble", inputs)
+    client.stop_stream()
+    client.close()
+    text, errors = "", []
+    while not completed.empty():
+        result, error = completed.get()
+        if error is not None:
+            errors.append(error.message())
+        else:
+            text += result.as_numpy("text_output").reshape(-1)[0].decode()
+    return ("; ".join(errors) or None), text
+
+
+GOOD = {
+    "text_input": np.array([[b"def add(a, b):"]], dtype=object),
+    "max_tokens": np.array([[12]], dtype=np.int32),
+    "stream": np.array([[True]], dtype=bool),
+}
+BAD_REQUESTS = {
+    "missing text_input": ({"text_input": None}, "text_input"),
+    "empty prompt": ({"text_input": np.array([[b""]], dtype=object)}, "text_input is empty"),
+    "max_tokens 0": ({"max_tokens": np.array([[0]], np.int32)}, "max_tokens must be >= 1, got 0"),
+    "max_tokens negative": ({"max_tokens": np.array([[-3]], np.int32)}, "max_tokens must be >= 1, got -3"),
+    "max_tokens above the engine": ({"max_tokens": np.array([[100_000]], np.int32)}, "exceeds the engine's max_seq_len"),
+    "temperature negative": ({"temperature": np.array([[-0.5]], np.float32)}, "temperature must be >= 0"),
+    "max_tokens as FP32": ({"max_tokens": np.array([[12.0]], np.float32)}, "max_tokens"),
+    "stop_words as INT32": ({"stop_words": np.array([[1, 2]], np.int32)}, "stop_words"),
+    "beam search": ({"beam_width": np.array([[4]], np.int32)}, "beam_width must be 1"),
+    "K above the build": ({"num_draft_tokens": np.array([[99]], np.int32)}, "max_draft_len"),
+    "end_id outside the vocabulary": ({"end_id": np.array([[10**6]], np.int32)}, "end_id 1000000 is outside"),
+    "batch of two": ({"text_input": np.array([[b"a"], [b"b"]], dtype=object)}, "batch"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_requests_get_an_error_and_the_server_keeps_serving(server, case):
+    changes, message = BAD_REQUESTS[case]
+    tensors = {**GOOD, **changes}
+    tensors = {name: value for name, value in tensors.items() if value is not None}
+    error, text = _raw_request(server.url, tensors)
+    assert error is not None and message in error, error
+    assert text == ""
+    error, text = _raw_request(server.url, GOOD)
+    assert error is None and text
+
+
+def test_metrics_port_reports_triton_and_acceptance_counters(server):
+    import urllib.request
+
+    remote_generate(server.url, PROMPTS[0], CONFIGS["fixed_k3"], stream=False).__iter__().__next__()
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    labels = '{model="ensemble",version="1"}'
+    assert values['nv_inference_request_success' + labels] > 0
+    assert values["specpipe_requests_total" + labels] > 0
+    assert values["specpipe_draft_tokens_total" + labels] >= values["specpipe_accepted_draft_tokens_total" + labels] > 0
+    assert values["specpipe_generated_tokens_total" + labels] > 0
+
+
+def test_generate_cli_through_the_server(server, local):
+    from click.testing import CliRunner
+
+    from specpipe.cli import cli
+
+    out = CliRunner().invoke(cli, ["generate", "--url", server.url, "--prompt", PROMPTS[1], "--max-tokens", "16",
+                                   "--stream", "--json"])
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.output.strip().splitlines()[-1])
+    assert result["token_ids"] == local("ensemble", PROMPTS[1], GenerationConfig(max_new_tokens=16)).token_ids
+
+
+def test_unreachable_url_is_one_clear_error():
+    with pytest.raises(ServerError, match="cannot reach a Triton server at 127.0.0.1:1"):
+        list(remote_generate("127.0.0.1:1", "hi", GenerationConfig(max_new_tokens=2), stream=True))
+
+
+# -- `specpipe serve` as a user runs it --------------------------------------------------------------
+
+def _serve(repo: Path, cfg: ServerConfig) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "specpipe", "serve", str(repo), "--grpc-port", str(cfg.grpc_port),
+           "--http-port", str(cfg.http_port), "--metrics-port", str(cfg.metrics_port), "--timeout", "180"]
+    return subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+
+
+def test_serve_exits_nonzero_with_the_reason_when_an_engine_is_corrupt(builds, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(builds["self_draft"], broken)  # real copies: the fixture's engines stay intact
+    (broken / "target" / "model.onnx").write_bytes(b"not an onnx graph")
+    write_repository(broken, tmp_path / "repo")
+    process = _serve(tmp_path / "repo", _ports())
+    _, stderr = process.communicate(timeout=240)
+    assert process.returncode != 0
+    first = stderr.strip().splitlines()[0]
+    assert first.startswith("error: tritonserver exited") or "error:" in stderr, stderr
+    assert "model 'ensemble' failed to load" in stderr and "cannot load" in stderr, stderr
+    assert "last server log lines" in stderr
+    assert "Traceback" not in stderr.split("last server log lines")[0]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_serve_answers_then_stops_cleanly_on_a_signal(builds, tmp_path, signum):
+    write_repository(builds["self_draft"], tmp_path / "repo")
+    cfg = _ports()
+    process = _serve(tmp_path / "repo", cfg)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(process.stderr.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.time() + 180
+    while not any("ready in" in line for line in lines):
+        assert process.poll() is None, "".join(lines)
+        assert time.time() < deadline, "".join(lines)
+        time.sleep(0.1)
+    generation = remote_generate(f"127.0.0.1:{cfg.grpc_port}", "def", GenerationConfig(max_new_tokens=4), stream=True)
+    assert "".join(generation) == generation.result["text"] and generation.result["num_generated"] == 4
+    process.send_signal(signum)
+    assert process.wait(timeout=60) == 0, "".join(lines)
+    reader.join(timeout=10)
+    assert any(line.startswith("stopped") for line in lines), "".join(lines)
+    with pytest.raises(ServerError, match="cannot reach"):
+        list(remote_generate(f"127.0.0.1:{cfg.grpc_port}", "def", GenerationConfig(max_new_tokens=2), stream=True))
