@@ -50,10 +50,12 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
 
     say(f"resolving target {cfg.target}")
     target = resolve_checkpoint(cfg.target, allow_pickle=cfg.allow_pickle)
-    say(f"resolving draft {cfg.draft}")
-    draft = resolve_checkpoint(cfg.draft, allow_pickle=cfg.allow_pickle)
-    say("checking the pair is compatible")
-    check_pair(target.path, draft.path)
+    draft = None  # prompt lookup and self-drafts have no checkpoint of their own
+    if cfg.draft_kind == "model":
+        say(f"resolving draft {cfg.draft}")
+        draft = resolve_checkpoint(cfg.draft, allow_pickle=cfg.allow_pickle)
+        say("checking the pair is compatible")
+        check_pair(target.path, draft.path)
 
     Path(cfg.engines_dir).mkdir(parents=True, exist_ok=True)
     with _staging(final) as stage:
@@ -61,7 +63,11 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         tokenizer.save_pretrained(str(stage / "tokenizer"))
         timings: dict[str, float] = {}
         target_entry = _build_engine(target, stage / "target", cfg, say, timings, "target")
-        if draft.weights_sha256 == target.weights_sha256:
+        if cfg.draft_kind == "ngram":
+            draft_entry = {"kind": "ngram", "source": "ngram", "ngram": cfg.ngram.model_dump()}
+        elif cfg.draft_kind == "self":
+            draft_entry = _build_self_draft(stage, cfg, tokenizer, say, timings, target.source)
+        elif draft.weights_sha256 == target.weights_sha256:
             say("draft is the target: reusing its engine")
             shutil.copytree(stage / "target", stage / "draft", copy_function=_link_or_copy)
             draft_entry = {**target_entry, "source": draft.source, "engine": {**target_entry["engine"], "path": "draft"}}
@@ -80,7 +86,7 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
                 "eos_token_ids": sorted(inspect_checkpoint(target.path).eos_token_ids),
                 "max_draft_len": cfg.max_draft_len,
                 "target": target_entry,
-                "draft": {"kind": "model", **draft_entry},
+                "draft": {"kind": "model", **draft_entry},  # ngram / self entries carry their own kind
                 "timings_s": timings,
             },
         )
@@ -132,6 +138,29 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, say: Progress, timings: dic
         "checkpoint": info.model_dump(mode="json"),
         "engine": {"path": out.name, "backend": "onnxruntime", "quant": "none", "files": file_hashes(out)},
         "export_check": {"max_abs_diff": max_abs_diff, "tolerance": cfg.export_tolerance},
+    }
+
+
+def _build_self_draft(stage: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict, target_source: str) -> dict:
+    """`--draft self:MODE`: the target's own engine, weight-only quantized, drafts for it.
+
+    Quantized from the unquantized target engine in `stage/target`. Its accuracy is measured and recorded
+    but never fails the build: a draft's precision changes how often it is accepted, never the output.
+    """
+    from specpipe.config import QuantConfig
+    from specpipe.quantize import quantize_engine
+
+    mode = cfg.draft.removeprefix("self:")
+    t0 = time.perf_counter()
+    say(f"quantizing the target ({mode}) as its own draft")
+    quant = quantize_engine(stage / "target", stage / "draft", QuantConfig(mode=mode, accept_accuracy_loss=True),
+                            tokenizer, model_name="self-draft", threads=cfg.threads)
+    timings["draft_quantize_s"] = time.perf_counter() - t0
+    return {
+        "kind": "self",
+        "source": f"{cfg.draft} of {target_source}",
+        "engine": {"path": "draft", "backend": "onnxruntime", "quant": mode, "files": file_hashes(stage / "draft")},
+        "quant": quant,
     }
 
 

@@ -29,6 +29,7 @@ from specpipe.commands.inspect import inspect; cli.add_command(inspect)  # noqa:
 from specpipe.commands.serve import serve; cli.add_command(serve)  # noqa: E402,E702
 from specpipe.commands.validate import validate; cli.add_command(validate)  # noqa: E402,E702
 from specpipe.commands.distill import distill; cli.add_command(distill)  # noqa: E402,E702
+from specpipe.commands.bench import bench; cli.add_command(bench)  # noqa: E402,E702
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,6 +69,7 @@ class BuildConfig(Strict):
     threads: int = Field(2, ge=1, description="ONNX Runtime intra-op threads")
     export_tolerance: float = Field(1e-3, gt=0, description="max |logit diff| engine vs torch (fp32)")
     backend: Literal["onnxruntime"] = "onnxruntime"
+    ngram: "NgramConfig" = Field(default_factory=lambda: NgramConfig(), description="--draft ngram: lookup sizes")
 
     @field_validator("name")
     @classmethod
@@ -76,6 +77,23 @@ class BuildConfig(Strict):
         if v is not None and (not v or "/" in v or v in {".", ".."}):
             raise ValueError(f"--name must be a plain folder name, got {v!r}")
         return v
+
+    @field_validator("draft")
+    @classmethod
+    def _self_draft_is_weight_only(cls, v: str) -> str:
+        if v.startswith("self:") and v.removeprefix("self:") not in SELF_DRAFT_QUANTS:
+            raise ValueError(
+                f"{v} is not a self-draft: use " + " or ".join(f"self:{mode}" for mode in SELF_DRAFT_QUANTS)
+                + " (the target's own weight-only quantized engine)"
+            )
+        return v
+
+    @property
+    def draft_kind(self) -> Literal["model", "ngram", "self"]:
+        """What --draft names: prompt lookup ("ngram"), the target quantized ("self:int4-wo"), or a checkpoint."""
+        if self.draft == "ngram":
+            return "ngram"
+        return "self" if self.draft.startswith("self:") else "model"
 
 
 # ---- `specpipe validate`: the gate file (TOML). Every section and key is optional; a missing latency
@@ -279,6 +297,11 @@ def field_help(model: type[BaseModel], name: str) -> str:
     return model.model_fields[name].description or ""
 
 
+# `--draft self:MODE`: weight-only modes only. A self-draft must be much cheaper than the target, and these
+# are the fast CPU path (MatMulNBits) that needs no calibration data.
+SELF_DRAFT_QUANTS = ("int4-wo", "int8-wo")
+
+
 class NgramConfig(Strict):
     """Prompt lookup drafting: match the context's last n tokens, n from ngram_max down to ngram_min.
 
@@ -294,6 +317,9 @@ class NgramConfig(Strict):
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min {self.ngram_min} > ngram_max {self.ngram_max}")
         return self
+
+
+BuildConfig.model_rebuild()  # resolves its `ngram: NgramConfig` field, defined after it
 
 
 QuantMode = Literal["none", "int8-wo", "int4-wo", "int8", "fp8"]

@@ -6,12 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from specpipe.config import GenerationConfig
+from specpipe.config import GenerationConfig, NgramConfig
 from specpipe.engines.base import Engine, load_engine
 from specpipe.errors import EngineError
 from specpipe.manifest import read_manifest
 from specpipe.spec.drafters import Drafter, ModelDrafter
 from specpipe.spec.generator import SpecGenerator
+from specpipe.spec.ngram import NgramDrafter
 
 
 @dataclass
@@ -28,8 +29,12 @@ class Deployment:
         return int(self.manifest.get("max_draft_len", 8))
 
     def generation_config(self, **overrides) -> GenerationConfig:
-        """A GenerationConfig for this deployment; K beyond the built max_draft_len is refused."""
+        """A GenerationConfig for this deployment; a fixed K beyond the built max_draft_len is refused, an
+        adaptive K is kept within it."""
         cfg = GenerationConfig(**overrides)
+        if cfg.draft_length == "adaptive":
+            ceiling = min(cfg.max_draft_tokens, self.max_draft_len)
+            return cfg.model_copy(update={"max_draft_tokens": ceiling, "num_draft_tokens": min(cfg.num_draft_tokens, ceiling)})
         if cfg.num_draft_tokens > self.max_draft_len:
             raise EngineError(
                 f"num_draft_tokens {cfg.num_draft_tokens} > max_draft_len {self.max_draft_len} this deployment was built for"
@@ -38,10 +43,13 @@ class Deployment:
 
 
 def make_drafter(folder: Path, draft: dict, target: Engine, threads: int) -> Optional[Drafter]:
-    """The drafter the manifest's `draft` section describes (kind: model, ...)."""
+    """The drafter the manifest's `draft` section describes: kind model, self (the target quantized: a
+    model draft too) or ngram (prompt lookup, no engine)."""
     kind = draft.get("kind", "model")
-    if kind == "model":
+    if kind in ("model", "self"):
         return ModelDrafter(load_engine(folder / draft["engine"]["path"], threads=threads), target.vocab_size)
+    if kind == "ngram":
+        return NgramDrafter.from_config(NgramConfig(**draft["ngram"]))
     raise EngineError(f"{folder}: unknown draft kind {kind!r} in manifest")
 
 

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from functools import partial
 from pathlib import Path
 
 import numpy as np

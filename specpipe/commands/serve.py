@@ -36,7 +36,8 @@ def serve(repo: Path, grpc_port, http_port, metrics_port, host, ready_timeout_s,
     def _terminate(signum, frame):
         raise KeyboardInterrupt  # SIGTERM takes the same orderly path as Ctrl-C
 
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    # SIGINT explicitly too: a shell starts background jobs with SIGINT ignored, and Python keeps that.
+    previous = {signum: signal.signal(signum, _terminate) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.start()
         click.echo(f"starting tritonserver {server.install.source}; log: {server.log_path}", err=True)
@@ -52,4 +53,5 @@ def serve(repo: Path, grpc_port, http_port, metrics_port, host, ready_timeout_s,
         click.echo(f"stopped (exit code {code})", err=True)
     finally:
         server.stop()
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

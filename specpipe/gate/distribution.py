@@ -108,7 +108,7 @@ def check_distribution(subject: Subject, gate: GateConfig, planned: list[Case], 
         p_first, p_second = case.p_first, case.p_second
         samples = subject.first_two(context, case.sampling, n, cfg.draft_lengths, cfg.seed + case_index * 1_000_003, tick)
         total_samples += n
-        first = samples[:, 0]
+        first = samples[samples[:, 0] >= 0, 0]  # a served request that returned nothing has -1
         second = samples[(samples[:, 0] == x_star) & (samples[:, 1] >= 0), 1]
         label = f"context {context!r} T={temperature:g}"
         for which, observed, p, given in (("first", first, p_first, None), ("second", second, p_second, x_star)):

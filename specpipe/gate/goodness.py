@@ -152,6 +152,7 @@ def planted_probs(probs: np.ndarray, tv: float) -> np.ndarray:
             light_mass += probs[b]
     if light_mass <= 0:
         raise ValueError("a single bin cannot carry a planted error")
+    tv = min(tv, heavy_mass)  # a tiny budget may claim more than the heavy half holds: move all of it
     scale = np.where(in_heavy, 1.0 - tv / heavy_mass, 1.0 + tv / light_mass)
     return probs * scale
 

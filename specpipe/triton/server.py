@@ -97,7 +97,8 @@ def _python_env() -> dict[str, str]:
     if libdir and ldlibrary.endswith(".so") and (Path(libdir) / ldlibrary).exists():
         env["LD_LIBRARY_PATH"] = _path_list(libdir, os.environ.get("LD_LIBRARY_PATH"))
     # specpipe itself (even when not installed) and a virtualenv's site-packages, which the embedded
-    # interpreter (it only knows its base prefix) would not find.
+    # interpreter (it only knows its base prefix) would not find. The stub ignores PYTHONPATH (it runs
+    # with ignore_environment), so model.py adds these entries to sys.path itself.
     extra = [str(Path(__file__).resolve().parents[2])]
     if sys.prefix != sys.base_prefix:
         import site
@@ -178,7 +179,8 @@ class TritonServer:
         env = {**os.environ, **self.install.env}
         with open(self.log_path, "wb") as log:
             # Own session: a Ctrl-C in the terminal reaches us, and we stop the server in order.
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+            # cwd = the repository: the caller's folder must not leak onto the stub's sys.path ('' is on it).
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.repo,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         self._started = time.perf_counter()
         return self

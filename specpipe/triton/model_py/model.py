@@ -9,6 +9,8 @@ Each instance (a separate stub process) serves one request at a time; Triton que
 
 import json
 import os
+import site
+import sys
 import traceback
 from pathlib import Path
 
@@ -32,8 +34,18 @@ COUNTED_STATS = {  # counter -> field of Result.as_dict()
 }
 
 
+def _honour_pythonpath():
+    """The stub's embedded Python runs with ignore_environment set: PYTHONPATH is in os.environ but not on
+    sys.path. `specpipe serve` puts specpipe's own location (and a virtualenv's site-packages) there."""
+    entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[:0] = entries
+    for entry in entries:
+        site.addsitedir(entry)  # runs .pth files (editable installs) found there
+
+
 class TritonPythonModel:
     def initialize(self, args):
+        _honour_pythonpath()
         # The stub only tokenizes with transformers (engines are ONNX Runtime): keeping transformers from
         # importing torch cuts each instance's load from ~7 s to ~1.5 s here. An explicit setting wins.
         os.environ.setdefault("USE_TORCH", "0")

@@ -1,0 +1,154 @@
+"""The benchmark harness: rows x prompts, measured in one run, summarized against the target-only row.
+
+A row is anything with a label that turns prompt ids into a `Measurement`: the deployment's target
+alone, its speculative decoder at a fixed or adaptive K, transformers' assisted generation on the
+same pair. New axes plug in as rows: a quantized engine (issue 4) or another draft strategy such as
+prompt lookup (issue 8) is a `SpecRow` over a SpecGenerator built from those parts.
+
+Conventions (see specpipe.spec.stats for the decoder's):
+- rows run prompt by prompt, each prompt through every row back to back, so slow drift of a shared
+  machine hits all rows alike; every row first runs untimed warm-up prompts.
+- tokens_per_s: generated tokens / wall time including prefill, median over prompts;
+  ttft_ms: median time to the first token; ms_per_token: median decode time per token after the first.
+- acceptance_rate = accepted / drafted, and mean_accepted_len = emitted tokens per target step
+  (bonus included), both pooled over all prompts.
+- speedup = the row's median tokens/s / the target-only row's median tokens/s.
+- matches_target: prompts whose token ids equal target-only's (greedy must give all of them).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Protocol
+
+from specpipe.config import GenerationConfig
+from specpipe.spec.generator import SpecGenerator
+
+BASELINE = "target-only"
+
+
+@dataclass
+class Measurement:
+    prompt_id: str
+    num_generated: int
+    total_ms: float
+    ttft_ms: float
+    drafted: Optional[int] = None  # None: the row cannot say (the peer)
+    accepted: Optional[int] = None
+    steps: Optional[int] = None
+    emitted: Optional[int] = None
+    draft_ms: Optional[float] = None
+    target_ms: Optional[float] = None
+    token_ids: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated / (self.total_ms / 1e3) if self.total_ms > 0 else 0.0
+
+    @property
+    def ms_per_token(self) -> Optional[float]:
+        decode_ms = self.total_ms - self.ttft_ms
+        return decode_ms / (self.num_generated - 1) if self.num_generated > 1 else None
+
+
+class Row(Protocol):
+    label: str
+    kind: str  # "target-only" | "speculative" | "peer"
+    k: Optional[int]  # fixed draft length; None for target-only and adaptive rows
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> Measurement: ...
+
+
+class SpecRow:
+    """One configuration of specpipe's own decoder (the same engines for every SpecRow of a deployment)."""
+
+    def __init__(self, label: str, generator: SpecGenerator, cfg: GenerationConfig, kind: str, k: Optional[int]):
+        self.label, self.generator, self.cfg, self.kind, self.k = label, generator, cfg, kind, k
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> Measurement:
+        cfg = self.cfg.model_copy(update={"max_new_tokens": max_new_tokens})
+        result = self.generator.generate(list(prompt_ids), cfg)
+        stats = result.stats
+        return Measurement(
+            prompt_id="", num_generated=result.num_generated, total_ms=result.total_ms, ttft_ms=result.ttft_ms,
+            drafted=stats.drafted, accepted=stats.accepted, steps=stats.steps, emitted=stats.emitted,
+            draft_ms=stats.draft_s * 1e3, target_ms=stats.target_s * 1e3, token_ids=list(result.token_ids),
+        )
+
+
+def spec_rows(generator: SpecGenerator, draft_lengths: list[int], adaptive: bool, label_prefix: str = "") -> list[SpecRow]:
+    """Target-only, fixed K for each K, and the adaptive default, all on one generator."""
+    greedy = dict(stop_on_eos=True)
+    rows = [SpecRow(label_prefix + BASELINE, generator, GenerationConfig(speculative=False, **greedy), "target-only", None)]
+    for k in draft_lengths:
+        cfg = GenerationConfig(num_draft_tokens=k, draft_length="fixed", **greedy)
+        rows.append(SpecRow(f"{label_prefix}K={k}", generator, cfg, "speculative", k))
+    if adaptive:
+        cfg = GenerationConfig(draft_length="adaptive", **greedy)
+        rows.append(SpecRow(f"{label_prefix}adaptive", generator, cfg, "speculative", None))
+    return rows
+
+
+def summarize(label: str, kind: str, k: Optional[int], runs: list[Measurement], baseline: Optional[list[Measurement]]) -> dict:
+    """One row of the results table (conventions in the module docstring)."""
+    tps = [m.tokens_per_s for m in runs]
+    per_token = [m.ms_per_token for m in runs if m.ms_per_token is not None]
+    drafted = sum(m.drafted or 0 for m in runs)
+    has_stats = all(m.drafted is not None for m in runs)
+    steps = sum(m.steps or 0 for m in runs)
+    row = {
+        "label": label,
+        "kind": kind,
+        "k": k,
+        "prompts": len(runs),
+        "tokens_generated": sum(m.num_generated for m in runs),
+        "tokens_per_s": statistics.median(tps) if tps else 0.0,
+        "ttft_ms": statistics.median(m.ttft_ms for m in runs) if runs else 0.0,
+        "ms_per_token": statistics.median(per_token) if per_token else None,
+        "acceptance_rate": (sum(m.accepted or 0 for m in runs) / drafted if drafted else (0.0 if has_stats else None)),
+        "mean_accepted_len": (sum(m.emitted or 0 for m in runs) / steps if steps else None) if has_stats else None,
+        "draft_ms_share": _share(runs),
+        "speedup": None,
+        "speedup_per_prompt_median": None,
+        "matches_target": None,
+    }
+    if baseline:
+        base_tps = statistics.median(m.tokens_per_s for m in baseline)
+        row["speedup"] = row["tokens_per_s"] / base_tps if base_tps else None
+        ratios = [m.tokens_per_s / b.tokens_per_s for m, b in zip(runs, baseline) if b.tokens_per_s]
+        row["speedup_per_prompt_median"] = statistics.median(ratios) if ratios else None
+        row["matches_target"] = sum(m.token_ids == b.token_ids for m, b in zip(runs, baseline) if m.token_ids)
+    return row
+
+
+def _share(runs: list[Measurement]) -> Optional[float]:
+    """Share of decode time spent drafting (None for rows that do not time their parts)."""
+    draft = sum(m.draft_ms or 0 for m in runs)
+    target = sum(m.target_ms or 0 for m in runs)
+    return draft / (draft + target) if (draft + target) > 0 and any(m.draft_ms for m in runs) else None
+
+
+def run_rows(rows: list[Row], prompts: list[tuple[str, list[int]]], *, max_new_tokens: int, warmup: list[list[int]],
+             on_run: Callable[[str, str], None] = lambda label, prompt_id: None) -> dict[str, list[Measurement]]:
+    """Warm every row up, then run every prompt through every row. Returns measurements by row label."""
+    for row in rows:
+        for prompt_ids in warmup:
+            row.run(prompt_ids, min(max_new_tokens, 32))
+            on_run(row.label, "warm-up")
+    results: dict[str, list[Measurement]] = {row.label: [] for row in rows}
+    for prompt_id, prompt_ids in prompts:
+        for row in rows:
+            measurement = row.run(prompt_ids, max_new_tokens)
+            measurement.prompt_id = prompt_id
+            results[row.label].append(measurement)
+            on_run(row.label, prompt_id)
+    return results
+
+
+def measurement_dict(m: Measurement) -> dict:
+    out = asdict(m)
+    out.pop("token_ids")
+    out["tokens_per_s"] = m.tokens_per_s
+    out["ms_per_token"] = m.ms_per_token
+    return out

@@ -1,0 +1,125 @@
+"""`specpipe bench`: one deployment, its prompt sets, every row, one run -> a results dict (the --json output)."""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from specpipe.bench.harness import BASELINE, measurement_dict, run_rows, spec_rows, summarize
+from specpipe.bench.limits import floor_ms_per_token, measure_bandwidth, step_ms, weight_bytes
+from specpipe.bench.prompts import load_prompt_sets
+from specpipe.config import BenchConfig
+from specpipe.errors import UsageError
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+
+def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
+    import torch
+
+    from specpipe.deployment import load_deployment
+    from specpipe.manifest import library_versions, now_iso
+
+    say = progress or (lambda what, done, total: None)
+    if not (Path(cfg.engine_dir) / "manifest.json").is_file():
+        raise UsageError(f"{cfg.engine_dir} is not a built deployment (no manifest.json); run `specpipe build` first")
+    prompt_sets = load_prompt_sets(cfg.prompts, list(cfg.prompt_sets), cfg.max_prompts)
+    torch.set_num_threads(cfg.threads)
+    deployment = load_deployment(cfg.engine_dir, threads=cfg.threads)
+    too_long = [k for k in cfg.draft_lengths if k > deployment.max_draft_len]
+    if too_long:
+        raise UsageError(f"-k {too_long}: this deployment was built for K <= {deployment.max_draft_len}")
+
+    generator = deployment.generator
+    rows = spec_rows(generator, cfg.draft_lengths, cfg.adaptive and deployment.drafter is not None) \
+        if deployment.drafter is not None else spec_rows(generator, [], False)
+    peer_note = None
+    if cfg.peer:
+        from specpipe.bench.peer import peer_rows
+
+        eos = list(deployment.manifest.get("eos_token_ids", []))
+        extra, peer_note = peer_rows(deployment.manifest, eos, cfg.threads)
+        rows += extra
+
+    encoded = [(s.name, [(p.id, generator.encode(p.prompt, chat=cfg.chat)) for p in s.prompts]) for s in prompt_sets]
+    total = sum(len(rows) * len(prompts) for _, prompts in encoded) + len(rows) * cfg.warmup_prompts
+    done = 0
+
+    def on_run(label: str, prompt_id: str) -> None:
+        nonlocal done
+        done += 1
+        say(f"{label} · {prompt_id}", done, total)
+
+    started = time.perf_counter()
+    warmup = [encoded[0][1][i % len(encoded[0][1])][1] for i in range(cfg.warmup_prompts)]
+    sets = []
+    for index, (name, prompts) in enumerate(encoded):
+        results = run_rows(rows, prompts, max_new_tokens=cfg.max_new_tokens, warmup=warmup if index == 0 else [],
+                           on_run=on_run)
+        baseline = results[BASELINE]
+        table = [summarize(row.label, row.kind, row.k, results[row.label], baseline) for row in rows]
+        sets.append({
+            "name": name,
+            "prompts": len(prompts),
+            "rows": table,
+            "best": _best(table),
+            "per_prompt": {label: [measurement_dict(m) for m in runs] for label, runs in results.items()},
+        })
+
+    say("measuring memory bandwidth and engine step costs", done, total)
+    return {
+        "engine_dir": str(cfg.engine_dir),
+        "created": now_iso(),
+        "settings": cfg.model_dump(mode="json"),
+        "versions": library_versions(),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "threads": cfg.threads},
+        "physical_limit": _physical_limit(deployment, sets),
+        "step_costs_ms": _step_costs(deployment),
+        "peer_note": peer_note,
+        "sets": sets,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def _best(table: list[dict]) -> Optional[dict]:
+    """The fixed-K row with the highest speedup."""
+    fixed = [row for row in table if row["kind"] == "speculative" and row["k"] is not None and row["speedup"]]
+    if not fixed:
+        return None
+    row = max(fixed, key=lambda r: r["speedup"])
+    return {"k": row["k"], "speedup": row["speedup"], "acceptance_rate": row["acceptance_rate"]}
+
+
+def _physical_limit(deployment, sets: list[dict]) -> dict:
+    """Bytes of target weights per token / measured bandwidth, next to the measured target-only ms/token."""
+    bandwidth = measure_bandwidth()
+    target_dir = deployment.folder / deployment.manifest["target"]["engine"]["path"]
+    measured = [row["ms_per_token"] for s in sets for row in s["rows"] if row["label"] == BASELINE and row["ms_per_token"]]
+    floor = floor_ms_per_token(target_dir, bandwidth)
+    out = {
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "target_weight_bytes": weight_bytes(target_dir),
+        "target_floor_ms_per_token": floor,
+        "target_measured_ms_per_token": min(measured) if measured else None,
+    }
+    out["target_measured_vs_floor"] = out["target_measured_ms_per_token"] / floor if measured and floor else None
+    draft = deployment.manifest.get("draft", {})
+    if draft.get("kind", "model") == "model" and "engine" in draft:
+        draft_dir = deployment.folder / draft["engine"]["path"]
+        out["draft_weight_bytes"] = weight_bytes(draft_dir)
+        out["draft_floor_ms_per_token"] = floor_ms_per_token(draft_dir, bandwidth)
+    return out
+
+
+def _step_costs(deployment) -> dict:
+    """Engine calls timed alone: a target decode step, a K=4 verify, a draft decode step (64-token cache)."""
+    out = {"target_decode": step_ms(deployment.target, 1), "target_verify_k4": step_ms(deployment.target, 5)}
+    engine = getattr(deployment.drafter, "engine", None)
+    if engine is not None:
+        out["draft_decode"] = step_ms(engine, 1)
+        out["draft_vs_target"] = out["draft_decode"] / out["target_decode"]
+    out["verify_k4_vs_decode"] = out["target_verify_k4"] / out["target_decode"]
+    return out
