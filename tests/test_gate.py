@@ -327,3 +327,36 @@ def test_quantization_check_reads_the_manifest(tmp_path):
     strict = small_gate(quantization={"min_top1_agreement": 0.99})
     draft_over = check_quantization({"target": fp32, "draft": _quant_entry("int4-wo", 0.01, 0.97)}, tmp_path, strict)
     assert draft_over.status == "passed" and draft_over.warnings and "top-1 agreement" in draft_over.warnings[0]
+
+
+# ---- greedy mismatches: real bug vs numerical near-tie ---------------------------------------------
+
+
+def test_greedy_mismatch_reports_position_tokens_and_margin(tiny_build):
+    from specpipe.deployment import load_deployment
+    from specpipe.gate.greedy import check_greedy
+    from specpipe.gate.subjects import InProcessSubject
+
+    class FlipsTheFourthToken(InProcessSubject):
+        """A planted bug in the speculative path: its 4th output token is replaced."""
+
+        def greedy_ids(self, prompt, max_new_tokens, num_draft_tokens):
+            ids = super().greedy_ids(prompt, max_new_tokens, num_draft_tokens)
+            if num_draft_tokens > 0:
+                ids[3] = (ids[3] + 1) % self.reference.target.vocab_size
+            return ids
+
+    subject = FlipsTheFourthToken(load_deployment(tiny_build))
+    gate = small_gate(prompts=["def add(a, b):"], greedy={"max_new_tokens": 8, "near_tie_margin": 1e-3})
+    bug = check_greedy(subject, gate, lambda n: None)
+    assert bug.status == "failed" and len(bug.failures) == 1
+    entry = bug.metrics["per_prompt"][0]
+    vocab = subject.reference.target.vocab_size
+    assert entry["position"] == 3 and entry["speculative_token"] == (entry["target_only_token"] + 1) % vocab
+    assert entry["reference_argmax"] == entry["target_only_token"] and entry["top2_logit_margin"] > 1e-3
+    assert "position 3" in bug.failures[0] and "not a near-tie" in bug.failures[0]
+
+    # The same mismatch under a margin larger than the real one counts as a near-tie: a warning, not a failure.
+    tie = check_greedy(subject, small_gate(prompts=["def add(a, b):"], greedy={"max_new_tokens": 8, "near_tie_margin": 1e9}),
+                       lambda n: None)
+    assert tie.status == "passed" and tie.metrics["near_ties"] == 1 and "near-tie" in tie.warnings[0]

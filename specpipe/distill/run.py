@@ -38,8 +38,12 @@ def check_out_dir(cfg: DistillConfig) -> Path:
     if out.is_dir() and any(out.iterdir()) and not (cfg.force or cfg.resume):
         raise OutputExistsError(f"{out} exists and is not empty; pass --force to replace it or --resume to continue")
     parent = out if out.is_dir() else _nearest_existing_parent(out)
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {out} is not writable ({parent} does not allow writing)")
+    try:  # a real probe: permission bits say little when running as root
+        fd, probe = tempfile.mkstemp(prefix=".specpipe-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise UsageError(f"--out {out} is not writable ({parent}: {err.strerror or err})") from None
     return out
 
 
@@ -48,7 +52,7 @@ def _nearest_existing_parent(path: Path) -> Path:
     while not path.exists():
         path = path.parent
     if not path.is_dir():
-        raise UsageError(f"--out {path} is a file, so nothing can be created under it")
+        raise UsageError(f"--out is not writable: {path} is a file, so nothing can be created under it")
     return path
 
 

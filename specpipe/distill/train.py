@@ -186,6 +186,7 @@ class Trainer:
         return [self.sequences[i] for i in batch]
 
     def step(self) -> tuple[float, float, int]:
+        """One optimizer step on the next batch: (loss, top-1 agreement on the batch, tokens)."""
         input_ids, mask, top_ids, top_lp, weights = _collate(self._next_batch(), self.prefix_len)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.state, self.budget_s, self.peak_lr)
@@ -199,7 +200,9 @@ class Trainer:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.student.parameters(), 1.0)
         self.optimizer.step()
-        return float(loss), agreement, int(mask.sum())
+        self.state.step += 1
+        self.state.tokens_seen += int(mask.sum())
+        return float(loss.detach()), agreement, int(mask.sum())
 
     def run(self, on_step: Optional[Callable[[StepReport], None]] = None) -> TrainState:
         """Train until the time budget (counted across restarts) is spent."""
@@ -209,9 +212,7 @@ class Trainer:
             t0 = time.perf_counter()
             loss, agreement, tokens = self.step()
             dt = time.perf_counter() - t0
-            state.step += 1
             state.elapsed_s += dt
-            state.tokens_seen += tokens
             smooth = 0.9 if state.step > 1 and not math.isnan(state.recent_loss) else 0.0
             state.recent_loss = smooth * state.recent_loss + (1 - smooth) * loss if smooth else loss
             state.recent_agreement = smooth * state.recent_agreement + (1 - smooth) * agreement if smooth else agreement

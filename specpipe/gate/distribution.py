@@ -96,7 +96,10 @@ def plan_cases(subject: Subject, gate: GateConfig, budget: int | None = None) ->
     return out
 
 
-def check_distribution(subject: Subject, gate: GateConfig, planned: list[Case], tick: Tick, *, server_budget: bool = False) -> CheckResult:
+def check_distribution(
+    subject: Subject, gate: GateConfig, planned: list[Case], tick: Tick, *, server_budget: bool = False
+) -> CheckResult:
+    """Sample every planned case, test both tokens, prove the power; `server_budget`: n was not planned."""
     cfg = gate.distribution
     alpha = per_test_alpha(cfg)
     rng = np.random.default_rng(cfg.seed)

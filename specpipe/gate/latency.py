@@ -92,11 +92,11 @@ def check_latency(subject: Subject, gate: GateConfig, tick: Tick) -> CheckResult
         "where": subject.mode,
         "runs": runs,
     }
+    m = measured
     summary = (
-        f"concurrency {cfg.concurrency} ({subject.mode}): TTFT p50/p95 {measured['ttft_ms_p50']:.1f}/{measured['ttft_ms_p95']:.1f} ms,"
-        f" ITL p50/p95 {measured['itl_ms_p50']:.2f}/{measured['itl_ms_p95']:.2f} ms, {measured['tokens_per_s']:.1f} tok/s,"
-        f" speedup {measured['speedup']:.2f}x, acceptance {measured['acceptance_rate']:.2f}"
-        f"; {len(enforced)} thresholds enforced"
+        f"concurrency {cfg.concurrency} ({subject.mode}): TTFT p50/p95 {m['ttft_ms_p50']:.1f}/{m['ttft_ms_p95']:.1f} ms,"
+        f" ITL p50/p95 {m['itl_ms_p50']:.2f}/{m['itl_ms_p95']:.2f} ms, {m['tokens_per_s']:.1f} tok/s,"
+        f" speedup {m['speedup']:.2f}x, acceptance {m['acceptance_rate']:.2f}; {len(enforced)} thresholds enforced"
     )
     return CheckResult(NAME, "failed" if failures else "passed", summary, failures, [], metrics)
 

@@ -81,7 +81,8 @@ def _run_check(name: str, subject: Subject, gate: GateConfig, bar, remeasure: bo
             bar.update(task, total=sum(case.samples for case in planned))
             result = distribution.check_distribution(subject, gate, planned, tick, server_budget=in_server)
         elif name == "quantization_accuracy":
-            result = quantization.check_quantization(subject.reference.manifest, subject.reference.folder, gate, remeasure=remeasure)
+            deployment = subject.reference
+            result = quantization.check_quantization(deployment.manifest, deployment.folder, gate, remeasure=remeasure)
         elif name == "latency_slo":
             bar.update(task, total=2 * gate.latency.requests)
             result = latency.check_latency(subject, gate, tick)

@@ -55,6 +55,11 @@ def constant_weight_matmuls(model) -> list[str]:
     return [node.name for node in model.graph.node if node.op_type == "MatMul" and node.input[1] in initializers]
 
 
+def lm_head_matmul(model) -> str | None:
+    """Name of the MatMul that writes the graph's `logits` output (the lm_head), if there is one."""
+    return next((node.name for node in model.graph.node if node.op_type == "MatMul" and "logits" in node.output), None)
+
+
 def untie_lm_head(model) -> list[str]:
     """Give every MatMul that reads a transposed initializer its own constant weight. Returns their names.
 

@@ -97,9 +97,9 @@ def quantize_onnx(src_dir: Path, dst_dir: Path, cfg: QuantConfig, calib: Sequenc
         untied = untie_lm_head(model)
         layers = len(constant_weight_matmuls(model))
         if cfg.mode in ("int8-wo", "int4-wo"):
-            from specpipe.quantize.weight_only import WO_BITS, quantize_weight_only
+            from specpipe.quantize.weight_only import quantize_weight_only
 
-            save_model(quantize_weight_only(model, bits=WO_BITS[cfg.mode], group_size=cfg.group_size), dst_dir)
+            save_model(quantize_weight_only(model, mode=cfg.mode, group_size=cfg.group_size), dst_dir)
         else:
             from specpipe.quantize.static import quantize_calibrated
 

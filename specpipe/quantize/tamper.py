@@ -1,7 +1,8 @@
 """Test-only: break a quantized engine on purpose, so tests can show the accuracy budget catches it.
 
-Never called by the build. Multiplying every quantization scale by `factor` scales the dequantized
-weights by the same factor (weight-only and QDQ alike), which a working budget check must reject.
+Never called by the build. Every dequantizing node (DequantizeLinear, MatMulNBits) gets its scale
+multiplied by `factor`, so what it reconstructs is `factor` times too large. A Q/DQ pair shares one scale
+initializer, and scaling that shared tensor would cancel out; each dequantizer gets its own copy instead.
 """
 
 from __future__ import annotations
@@ -10,21 +11,26 @@ from pathlib import Path
 
 from specpipe.quantize.graph import load_model, save_model
 
-SCALE_SUFFIXES = ("_scale", "_scales")
+SCALE_INPUT = {"DequantizeLinear": 1, "MatMulNBits": 2}  # op type -> index of its scale input
 
 
 def scale_quantization_scales(folder: Path, factor: float = 10.0) -> int:
-    """Multiply the scale initializers of the engine graph in `folder` by `factor`. Returns how many."""
+    """Scale what the engine graph in `folder` dequantizes by `factor`. Returns how many nodes changed."""
     from onnx import numpy_helper
 
     model = load_model(folder)
-    scaled = 0
-    for index, init in enumerate(model.graph.initializer):
-        if init.name.endswith(SCALE_SUFFIXES):
-            array = numpy_helper.to_array(init)
-            model.graph.initializer[index].CopyFrom(numpy_helper.from_array((array * factor).astype(array.dtype), init.name))
-            scaled += 1
-    if not scaled:
-        raise ValueError(f"{folder}: no quantization scales to tamper with")
+    initializers = {init.name: init for init in model.graph.initializer}
+    changed = 0
+    for node in model.graph.node:
+        index = SCALE_INPUT.get(node.op_type)
+        if index is None or node.input[index] not in initializers:
+            continue
+        scale = numpy_helper.to_array(initializers[node.input[index]])
+        tampered = numpy_helper.from_array((scale * factor).astype(scale.dtype), f"{node.input[index]}_tampered_{changed}")
+        model.graph.initializer.append(tampered)
+        node.input[index] = tampered.name
+        changed += 1
+    if not changed:
+        raise ValueError(f"{folder}: no dequantization scales to tamper with")
     save_model(model, folder)
-    return scaled
+    return changed

@@ -1,0 +1,184 @@
+"""`make demo`: the main job end to end on the embedded default, SmolLM2-135M on CPU.
+
+A list of steps, each a function of the shared `Demo` state that returns a one-line summary. Later
+stages (serving through Triton, the validation gate) append their steps to `STEPS`. Expensive results
+are cached: the converted model and the distilled draft in the specpipe cache, the engines in
+engines/smollm2-demo (rebuilt only when the target or draft changed), so a second run takes minutes.
+
+Environment: SPECPIPE_DEMO_MINUTES overrides the draft's distillation budget (default below).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from specpipe.config import BuildConfig, DistillConfig
+
+TARGET = "smollm2-135m"
+NAME = "smollm2-demo"
+# Budget of the draft's distillation (target answers + training), chosen so a fresh demo stays within
+# 20 minutes on a 2-core CPU; see the README for what longer budgets reach.
+DISTILL_MINUTES = 13.0
+PROMPTS = [
+    ("code", "Write a Python function that returns the sum of the squares of a list of numbers."),
+    ("code", "Write a Python function that checks whether a string is a valid hexadecimal number."),
+    ("chat", "Explain what a compiler does in two sentences."),
+]
+MAX_NEW_TOKENS = 96
+
+
+@dataclass
+class Demo:
+    """What the steps share. Steps read what earlier steps set and add their own results."""
+
+    console: Console
+    engines_dir: Path = Path("engines")
+    repo_dir: Path = Path("triton_repo")
+    target: Optional[object] = None  # ResolvedCheckpoint
+    draft_path: Optional[Path] = None
+    engine_dir: Optional[Path] = None
+    results: dict = field(default_factory=dict)
+
+
+@dataclass
+class Step:
+    name: str
+    run: Callable[[Demo], str]
+
+
+def fetch_model(demo: Demo) -> str:
+    from specpipe.checkpoint import resolve_checkpoint
+
+    demo.target = resolve_checkpoint(TARGET)
+    return f"{TARGET} -> {demo.target.path}"
+
+
+def demo_distill_config(out: Path) -> DistillConfig:
+    minutes = float(os.environ.get("SPECPIPE_DEMO_MINUTES", DISTILL_MINUTES))
+    return DistillConfig(target=TARGET, out=out, minutes=minutes)
+
+
+def distill_draft(demo: Demo) -> str:
+    """The draft lives in the cache under a key of the target's weights and the distillation settings."""
+    from specpipe.checkpoint import cache_dir
+    from specpipe.distill import RichDistillProgress, distill
+    from specpipe.distill.run import RECORD, STATE_DIR
+
+    settings = demo_distill_config(Path("-")).model_dump(mode="json", exclude={"out"})
+    key = hashlib.sha256(json.dumps([demo.target.weights_sha256, settings], sort_keys=True).encode()).hexdigest()[:12]
+    out = cache_dir() / "drafts" / f"{TARGET}-{key}"
+    if not (out / RECORD).is_file():
+        progress = RichDistillProgress(demo.console)
+        try:
+            # A run stopped part-way resumes: its target answers are cached and its training state saved.
+            resume = (out / STATE_DIR / "state.pt").is_file()
+            cfg = demo_distill_config(out).model_copy(update={"resume": resume, "force": out.exists() and not resume})
+            distill(cfg, progress)
+        finally:
+            progress.close()
+        verb = "distilled"
+    else:
+        verb = "cached"
+    record = json.loads((out / RECORD).read_text())
+    demo.draft_path = out
+    demo.results["distill"] = record
+    agreement = record.get("held_out_agreement")
+    return (f"{verb} draft {out}: {record['draft']['layers']} layers, width {record['draft']['width']}, "
+            f"{record['draft']['weights_read_per_token_vs_target']:.2f}x the target's weights per token"
+            + (f", held-out agreement {agreement:.2f}" if agreement is not None else ""))
+
+
+def build_engines(demo: Demo) -> str:
+    """Rebuild only when the manifest's target or draft weights differ from what we have now."""
+    from specpipe.build import SERVED_MODEL, build
+    from specpipe.checkpoint import weights_sha256
+
+    folder = demo.engines_dir / NAME
+    manifest_path = folder / "manifest.json"
+    draft_sha = weights_sha256(demo.draft_path)
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        same = (manifest["target"].get("weights_sha256") == demo.target.weights_sha256
+                and manifest["draft"].get("weights_sha256") == draft_sha)
+        if same and (demo.repo_dir / SERVED_MODEL).exists():
+            demo.engine_dir = folder
+            return f"cached {folder} (same target and draft weights)"
+    cfg = BuildConfig(target=TARGET, draft=str(demo.draft_path), name=NAME, engines_dir=demo.engines_dir,
+                      repo_dir=demo.repo_dir, force=True)
+    with demo.console.status("building") as status:
+        demo.engine_dir = build(cfg, progress=lambda msg: (status.update(msg), demo.console.log(msg)))
+    return f"built {demo.engine_dir} and {demo.repo_dir}"
+
+
+def generate_samples(demo: Demo) -> str:
+    """A few prompts, greedy: speculative (adaptive K) and the target alone on the same engine."""
+    from specpipe.deployment import load_deployment
+
+    deployment = load_deployment(demo.engine_dir, threads=2)
+    generator = deployment.generator
+    table = Table(title=f"{MAX_NEW_TOKENS} new tokens, greedy, 2 threads", title_justify="left")
+    for column in ("prompt", "tok/s spec", "tok/s target", "speedup", "acceptance", "mean acc. len", "= target"):
+        table.add_column(column, justify="left" if column == "prompt" else "right")
+    generator.generate(PROMPTS[0][1], deployment.generation_config(max_new_tokens=8), chat=True)  # warm-up
+    speedups = []
+    for kind, prompt in PROMPTS:
+        spec = generator.generate(prompt, deployment.generation_config(max_new_tokens=MAX_NEW_TOKENS), chat=True)
+        alone = generator.generate(prompt, deployment.generation_config(max_new_tokens=MAX_NEW_TOKENS, speculative=False),
+                                   chat=True)
+        speedups.append(spec.tokens_per_s / alone.tokens_per_s)
+        demo.console.print(Panel(spec.text.strip(), title=f"[{kind}] {prompt}", title_align="left"))
+        table.add_row(prompt[:40] + ("…" if len(prompt) > 40 else ""), f"{spec.tokens_per_s:.1f}",
+                      f"{alone.tokens_per_s:.1f}", f"{speedups[-1]:.2f}x", f"{spec.stats.acceptance_rate:.2f}",
+                      f"{spec.stats.mean_accepted_len:.2f}", "yes" if spec.token_ids == alone.token_ids else "NO")
+    demo.console.print(table)
+    demo.results["generate_speedups"] = speedups
+    return f"{len(PROMPTS)} prompts, speedup {min(speedups):.2f}x-{max(speedups):.2f}x vs the target alone"
+
+
+STEPS: list[Step] = [
+    Step("fetch the model", fetch_model),
+    Step("distill a draft", distill_draft),
+    Step("build the engines", build_engines),
+    Step("generate", generate_samples),
+]
+
+
+def main(steps: Optional[list[Step]] = None) -> Demo:
+    console = Console()
+    demo = Demo(console)
+    summary = Table(title="specpipe demo", title_justify="left")
+    summary.add_column("step")
+    summary.add_column("time", justify="right")
+    summary.add_column("result")
+    started = time.perf_counter()
+    for index, step in enumerate(steps or STEPS, 1):
+        console.rule(f"[bold]{index}. {step.name}")
+        t0 = time.perf_counter()
+        line = step.run(demo)
+        seconds = time.perf_counter() - t0
+        console.print(f"[green]done[/] in {seconds:.1f} s: {line}")
+        summary.add_row(step.name, f"{seconds:.0f} s", line)
+    summary.add_row("[bold]total", f"[bold]{time.perf_counter() - started:.0f} s", "")
+    console.rule()
+    console.print(summary)
+    return demo
+
+
+if __name__ == "__main__":
+    from specpipe.errors import SpecpipeError
+
+    try:
+        main()
+    except SpecpipeError as err:
+        Console(stderr=True).print(f"[red]error:[/] {err}")
+        raise SystemExit(err.exit_code)

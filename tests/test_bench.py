@@ -1,0 +1,109 @@
+"""`specpipe bench` on tiny pairs: the JSON has every field, the numbers obey their conventions, bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specpipe.bench.harness import BASELINE, Measurement, summarize
+from specpipe.cli import main
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_target, tiny_draft, tmp_path_factory):
+    """Two deployments: target + unrelated random draft, and target + itself (acceptance must be 1)."""
+    from specpipe.build import build
+    from specpipe.config import BuildConfig
+
+    root = tmp_path_factory.mktemp("bench-engines")
+    pair = build(BuildConfig(target=str(tiny_target), draft=str(tiny_draft), name="pair", engines_dir=root, repo_dir=None))
+    self_pair = build(BuildConfig(target=str(tiny_target), draft=str(tiny_target), name="self", engines_dir=root,
+                                  repo_dir=None))
+    return pair, self_pair
+
+
+def _bench(capsys, *args) -> dict:
+    try:
+        main(["bench", *args, "--json"])
+    except SystemExit as exit_info:
+        assert exit_info.code in (0, None)
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bench_json_has_every_field(engines, capsys, tmp_path):
+    pair, _ = engines
+    plot = tmp_path / "bench.png"
+    results = _bench(capsys, str(pair), "--prompts-set", "code", "--prompts-set", "chat", "-k", "1..2",
+                             "--max-new-tokens", "6", "--max-prompts", "2", "--plot", str(plot),
+                             "--json-out", str(tmp_path / "bench.json"))
+    assert json.loads((tmp_path / "bench.json").read_text())["sets"] == results["sets"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [s["name"] for s in results["sets"]] == ["code", "chat"]
+    for prompt_set in results["sets"]:
+        labels = [row["label"] for row in prompt_set["rows"]]
+        assert labels == [BASELINE, "K=1", "K=2", "adaptive", "hf target-only", "hf assisted"]
+        for row in prompt_set["rows"]:
+            for key in ("tokens_per_s", "ttft_ms", "acceptance_rate", "mean_accepted_len", "speedup", "ms_per_token",
+                        "matches_target", "prompts"):
+                assert key in row
+            assert row["tokens_per_s"] > 0 and row["ttft_ms"] > 0 and row["prompts"] == 2
+        rows = {row["label"]: row for row in prompt_set["rows"]}
+        assert rows[BASELINE]["speedup"] == pytest.approx(1.0)
+        # Greedy speculative decoding is lossless: every speculative row reproduces the target's tokens.
+        assert all(rows[label]["matches_target"] == 2 for label in ("K=1", "K=2", "adaptive"))
+        assert 0.0 <= rows["K=2"]["acceptance_rate"] <= 1.0
+        assert 1.0 <= rows["K=2"]["mean_accepted_len"] <= 3.0
+        assert rows["hf assisted"]["acceptance_rate"] is None  # transformers does not report it
+        assert len(prompt_set["per_prompt"]["K=1"]) == 2
+        assert prompt_set["best"]["k"] in (1, 2)
+    limit = results["physical_limit"]
+    assert limit["bandwidth_gb_s"] > 0.1 and limit["target_weight_bytes"] > 0
+    assert limit["target_floor_ms_per_token"] > 0 and limit["target_measured_ms_per_token"] > 0
+    assert results["step_costs_ms"]["draft_decode"] > 0
+
+
+def test_self_draft_is_always_accepted(engines, capsys):
+    """Draft == target: every drafted token is accepted, so a K-token step emits K + 1 tokens."""
+    _, self_pair = engines
+    results = _bench(capsys, str(self_pair), "--prompts-set", "code", "-k", "3", "--max-new-tokens", "9",
+                             "--max-prompts", "2", "--no-peer", "--no-adaptive", "--warmup-prompts", "0")
+    rows = {row["label"]: row for row in results["sets"][0]["rows"]}
+    assert list(rows) == [BASELINE, "K=3"]
+    assert rows["K=3"]["acceptance_rate"] == 1.0
+    generated = sum(m["num_generated"] for m in results["sets"][0]["per_prompt"]["K=3"])
+    if generated == 2 * 9:  # no early EOS: 9 tokens = two full 4-token steps + one final step
+        assert rows["K=3"]["mean_accepted_len"] == pytest.approx(9 / 3)
+
+
+def test_summary_conventions():
+    """Pooled acceptance, bonus-inclusive mean accepted length, speedup as a ratio of median tokens/s."""
+    base = [Measurement("a", 10, 1000.0, 100.0, token_ids=[1] * 10), Measurement("b", 10, 2000.0, 100.0, token_ids=[2] * 10)]
+    spec = [Measurement("a", 10, 500.0, 50.0, drafted=8, accepted=6, steps=4, emitted=10, token_ids=[1] * 10),
+            Measurement("b", 10, 1000.0, 50.0, drafted=12, accepted=4, steps=6, emitted=10, token_ids=[9] * 10)]
+    row = summarize("K=2", "speculative", 2, spec, base)
+    assert row["acceptance_rate"] == pytest.approx(10 / 20)
+    assert row["mean_accepted_len"] == pytest.approx(20 / 10)
+    assert row["tokens_per_s"] == pytest.approx(15.0)  # median of 20 and 10 tok/s
+    assert row["speedup"] == pytest.approx(15.0 / 7.5)
+    assert row["matches_target"] == 1
+    assert row["ms_per_token"] == pytest.approx((450 / 9 + 950 / 9) / 2)
+
+
+def test_bad_inputs(engines, tmp_path, capsys):
+    pair, _ = engines
+
+    def fails(*args) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", *args])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "Traceback" not in err
+        return err
+
+    assert "not a built deployment" in fails(str(tmp_path))
+    assert "K must be >= 1" in fails(str(pair), "-k", "0..2")
+    assert "-k" in fails(str(pair), "-k", "one")
+    assert "K <= 8" in fails(str(pair), "-k", "9", "--no-peer")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt field"}\n')
+    assert "prompt" in fails(str(pair), "--prompts", str(bad))

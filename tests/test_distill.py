@@ -1,0 +1,239 @@
+"""`specpipe distill` on the tiny target: a few steps give a checkpoint that builds; restarts; bad inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpipe.cli import main
+from specpipe.config import DistillConfig
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("SPECPIPE_CACHE", str(folder))
+    return folder
+
+
+def _tiny_cfg(target: Path, out: Path, **overrides) -> DistillConfig:
+    # A few seconds: a handful of target answers, then a few training steps.
+    values = dict(target=str(target), out=out, layers=1, width=32, minutes=0.05, data_fraction=0.5, answer_batch=4,
+                  max_answer_tokens=12, batch_tokens=256, checkpoint_every=2)
+    return DistillConfig(**{**values, **overrides})
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny_target, tmp_path_factory):
+    """One distillation of the tiny target, shared by the tests that only read its output."""
+    import os
+
+    from specpipe.distill import distill
+
+    root = tmp_path_factory.mktemp("distill")
+    old = os.environ.get("SPECPIPE_CACHE")
+    os.environ["SPECPIPE_CACHE"] = str(root / "cache")
+    try:
+        result = distill(_tiny_cfg(tiny_target, root / "draft"))
+    finally:
+        if old is None:
+            os.environ.pop("SPECPIPE_CACHE")
+        else:
+            os.environ["SPECPIPE_CACHE"] = old
+    return result
+
+
+def test_distill_writes_a_checkpoint_that_shares_the_tokenizer(distilled, tiny_target):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specpipe.checkpoint import load_tokenizer, tokenizer_hash
+
+    out = distilled.path
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert not (out / ".distill").exists(), "the training state is removed once the draft is written"
+    config = AutoConfig.from_pretrained(out)
+    assert config.hidden_size == 32 and config.num_hidden_layers == 1
+    assert config.vocab_size == AutoConfig.from_pretrained(tiny_target).vocab_size
+    assert tokenizer_hash(load_tokenizer(out)) == tokenizer_hash(load_tokenizer(tiny_target))
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+    record = json.loads((out / "distill.json").read_text())
+    assert record["training"]["steps"] >= 1
+    assert record["data"]["answer_tokens"] > 0
+    assert 0 < record["draft"]["weights_read_per_token_vs_target"] < 1
+
+
+def test_distilled_draft_builds_and_decodes_like_the_target(distilled, tiny_target, tmp_path):
+    from specpipe.build import build
+    from specpipe.config import BuildConfig
+    from specpipe.deployment import load_deployment
+
+    folder = build(BuildConfig(target=str(tiny_target), draft=str(distilled.path), name="pair",
+                               engines_dir=tmp_path / "engines", repo_dir=None))
+    deployment = load_deployment(folder)
+    prompt = deployment.generator.encode("def add(a, b):")
+    spec = deployment.generator.generate(prompt, deployment.generation_config(num_draft_tokens=3, draft_length="fixed",
+                                                                             max_new_tokens=16))
+    alone = deployment.generator.generate(prompt, deployment.generation_config(speculative=False, max_new_tokens=16))
+    assert spec.token_ids == alone.token_ids
+    assert spec.stats.drafted > 0
+
+
+def test_training_learns_from_the_teacher(tiny_target, cache, tmp_path):
+    """Loss falls and agreement with the target rises over a short run on the target's own answers."""
+    from specpipe.checkpoint import load_causal_lm
+    from specpipe.distill.student import make_student
+    from specpipe.distill.teacher import answer_prompts
+    from specpipe.distill.train import Trainer, agreement
+
+    target = load_causal_lm(tiny_target)
+    prompts = [[1, 5 + i, 40 + 3 * i, 77] for i in range(24)]
+    data = answer_prompts(target, prompts, kinds=["code"] * 24, max_new_tokens=24, eos_token_ids={2}, pad_token_id=2,
+                          top_k=16)
+    student = make_student(target, layers=1, width=32, seed=0)
+    before = agreement(student, data)
+    trainer = Trainer(student, data, budget_s=1e9, lr=3e-3, batch_tokens=512, negatives=64, seed=0,
+                      state_path=tmp_path / "state.pt", checkpoint_every=0)
+    losses = [trainer.step()[0] for _ in range(100)]
+    assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:10]) / 10
+    assert agreement(student, data) > before + 0.15
+
+
+def test_teacher_rows_are_the_targets_distributions(tiny_target):
+    """Row t of the teacher data is the target's own distribution over token t+1 (prompt and answer alike)."""
+    from specpipe.checkpoint import load_causal_lm
+    from specpipe.distill.teacher import answer_prompts
+
+    target = load_causal_lm(tiny_target)
+    prompts = [[1, 9, 30], [1, 50, 51, 52, 53]]  # different lengths: left padding must not shift anything
+    for seq in answer_prompts(target, prompts, kinds=["code", "chat"], max_new_tokens=6, eos_token_ids={2},
+                              pad_token_id=2, top_k=8):
+        with torch.no_grad():
+            logprobs = torch.log_softmax(target(input_ids=seq.token_ids[None]).logits[0, :-1], -1)
+        assert seq.top_ids.shape == (len(seq) - 1, 8)
+        assert torch.equal(seq.top_ids[:, 0].long(), logprobs.argmax(-1))
+        answer = seq.token_ids[seq.prompt_len :]
+        assert torch.equal(answer, logprobs[seq.prompt_len - 1 :].argmax(-1))  # greedy answers
+        picked = logprobs.gather(1, seq.top_ids.long())
+        assert torch.allclose(picked, seq.top_logprobs.float(), atol=1e-2)
+
+
+def test_teacher_data_is_cached_and_restart_continues(tiny_target, cache, tmp_path):
+    from specpipe.distill import distill
+    from specpipe.distill.progress import SilentProgress
+    from specpipe.distill.train import Trainer
+
+    class Notes(SilentProgress):
+        def __init__(self):
+            self.messages, self.phases = [], []
+
+        def phase(self, name, total, description):
+            self.phases.append(name)
+
+        def log(self, message):
+            self.messages.append(message)
+
+    distill(_tiny_cfg(tiny_target, tmp_path / "a"))
+    notes = Notes()
+    distill(_tiny_cfg(tiny_target, tmp_path / "b"), notes)
+    assert "teacher" not in notes.phases and any("cached target answers" in m for m in notes.messages)
+
+    # A stopped run's state is picked up again: same step, same weights.
+    from specpipe.checkpoint import load_causal_lm
+    from specpipe.distill.student import make_student
+    from specpipe.distill.teacher import TeacherCache
+
+    data = [s for folder in (cache / "distill-data").iterdir() for s in TeacherCache(folder, {}).load()]
+    target = load_causal_lm(tiny_target)
+    first = Trainer(make_student(target, layers=1, width=32, seed=0), data, budget_s=1e9, lr=1e-3, batch_tokens=256,
+                    negatives=16, seed=0, state_path=tmp_path / "state.pt", checkpoint_every=3)
+    for _ in range(3):
+        first.step()
+    first.save()
+    second = Trainer(make_student(target, layers=1, width=32, seed=1), data, budget_s=1e9, lr=1e-3, batch_tokens=256,
+                     negatives=16, seed=0, state_path=tmp_path / "state.pt", checkpoint_every=3)
+    second.load()
+    assert second.state.step == 3
+    for a, b in zip(first.student.parameters(), second.student.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_resume_continues_a_saved_run(tiny_target, cache, tmp_path):
+    """--resume picks up OUT's saved state and trains only the time that is left."""
+    from specpipe.distill import distill
+    from specpipe.distill.run import STATE_DIR
+
+    out = tmp_path / "draft"
+    distill(_tiny_cfg(tiny_target, out))
+    # Plant a state as a run stopped half-way would leave it, then resume from it.
+    from specpipe.checkpoint import load_causal_lm
+    from specpipe.distill.student import make_student
+    from specpipe.distill.teacher import TeacherCache
+    from specpipe.distill.train import Trainer
+
+    data = [s for folder in (cache / "distill-data").iterdir() for s in TeacherCache(folder, {}).load()]
+    student = make_student(load_causal_lm(tiny_target), layers=1, width=32, seed=0)
+    budget = 0.05 * 60 * 0.5
+    trainer = Trainer(student, data, budget_s=budget, lr=1e-3, batch_tokens=256, negatives=2048, seed=0,
+                      state_path=out / STATE_DIR / "state.pt", checkpoint_every=2)
+    trainer.state.step, trainer.state.elapsed_s = 7, budget - 0.5
+    trainer.save()
+    result = distill(_tiny_cfg(tiny_target, out, resume=True))
+    assert result.record["training"]["steps"] > 7
+    assert result.record["training"]["seconds"] < budget + 5
+
+
+def _cli(capsys, *args) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["distill", *args])
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_bad_inputs_are_one_line_errors(tiny_target, tmp_path, capsys, cache):
+    # --minutes 0
+    code, err = _cli(capsys, "--target", str(tiny_target), "--out", str(tmp_path / "d"), "--minutes", "0")
+    assert code == 2 and "--minutes" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+    # a target that is not a causal LM
+    from transformers import BertConfig, BertModel
+
+    encoder = tmp_path / "encoder"
+    BertModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32)).save_pretrained(encoder)
+    code, err = _cli(capsys, "--target", str(encoder), "--out", str(tmp_path / "d2"))
+    assert code == 2 and "not a causal language model" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "d2").exists()
+
+    # a non-writable --out: under a regular file, and inside /proc
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for out in (blocker / "draft", Path("/proc/specpipe-test-draft")):
+        code, err = _cli(capsys, "--target", str(tiny_target), "--out", str(out))
+        assert code == 2 and "not writable" in err and len(err.strip().splitlines()) == 1
+
+    # an existing, non-empty --out without --force
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    code, err = _cli(capsys, "--target", str(tiny_target), "--out", str(existing))
+    assert code == 2 and "--force" in err and (existing / "keep.txt").read_text() == "mine"
+
+    # --resume with nothing to resume
+    code, err = _cli(capsys, "--target", str(tiny_target), "--out", str(tmp_path / "new"), "--resume")
+    assert code == 2 and "no saved training state" in err
+
+
+def test_training_prompts_are_disjoint_from_the_benchmark():
+    from specpipe.bench.prompts import PACKAGED, read_prompt_file
+    from specpipe.distill.prompts import training_prompts
+
+    bench = {p.prompt.strip().lower() for f in PACKAGED.glob("*.jsonl") for p in read_prompt_file(f).prompts}
+    train = training_prompts(0)
+    assert len(train) > 500
+    assert not bench & {p["prompt"].strip().lower() for p in train}
+    assert {p["kind"] for p in train[:40]} == {"code", "chat"}
+    assert training_prompts(0) == training_prompts(0) and training_prompts(0) != training_prompts(1)
