@@ -137,7 +137,7 @@ class GateDistributionConfig(Strict):
     power: float = Field(0.99, gt=0.0, lt=1.0, description="probability of detecting an error of size tv")
     min_expected: float = Field(5.0, gt=0.0, description="bins expecting fewer samples are pooled")
     max_bins: int = Field(32, ge=2, description="most effective bins per test (likeliest tokens; the rest pooled)")
-    max_samples: int = Field(60000, ge=10, description="cap on in-process samples per (context, temperature)")
+    max_samples: int = Field(20000, ge=10, description="cap on in-process samples per (context, temperature)")
     server_samples: int = Field(1500, ge=10, description="samples per (context, temperature) through a server")
     planted_replicates: int = Field(200, ge=1, description="replicates of the planted wrong sampler")
     planted_power_min: float = Field(0.9, gt=0.0, le=1.0, description="share of planted replicates that must fail")
