@@ -46,6 +46,9 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         raise OutputExistsError(f"{final} exists; pass --force to replace it")
     if cfg.repo_dir is not None and (Path(cfg.repo_dir) / SERVED_MODEL).exists() and not cfg.force:
         raise OutputExistsError(f"{Path(cfg.repo_dir) / SERVED_MODEL} exists; pass --force to replace it")
+    from specpipe.quantize import check_kv_cache_dtype
+
+    check_kv_cache_dtype(cfg.quant, cfg.backend)  # refuse, never silently ignore, a KV precision we cannot do
     started = time.perf_counter()
 
     say(f"resolving target {cfg.target}")
@@ -62,17 +65,17 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         tokenizer = load_tokenizer(target.path)
         tokenizer.save_pretrained(str(stage / "tokenizer"))
         timings: dict[str, float] = {}
-        target_entry = _build_engine(target, stage / "target", cfg, say, timings, "target")
+        target_entry = _build_engine(target, stage / "target", cfg, cfg.quant, tokenizer, say, timings, "target")
         if cfg.draft_kind == "ngram":
             draft_entry = {"kind": "ngram", "source": "ngram", "ngram": cfg.ngram.model_dump()}
         elif cfg.draft_kind == "self":
             draft_entry = _build_self_draft(stage, cfg, tokenizer, say, timings, target.source)
-        elif draft.weights_sha256 == target.weights_sha256:
+        elif draft.weights_sha256 == target.weights_sha256 and cfg.draft_quant == cfg.quant:
             say("draft is the target: reusing its engine")
             shutil.copytree(stage / "target", stage / "draft", copy_function=_link_or_copy)
             draft_entry = {**target_entry, "source": draft.source, "engine": {**target_entry["engine"], "path": "draft"}}
         else:
-            draft_entry = _build_engine(draft, stage / "draft", cfg, say, timings, "draft")
+            draft_entry = _build_engine(draft, stage / "draft", cfg, cfg.draft_quant, tokenizer, say, timings, "draft")
         timings["total_s"] = time.perf_counter() - started
         write_manifest(
             stage,
@@ -100,8 +103,11 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     return final
 
 
-def _build_engine(ckpt, out: Path, cfg: BuildConfig, say: Progress, timings: dict, role: str) -> dict:
-    """Export one checkpoint, optimize it for ONNX Runtime, and check it against torch."""
+def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progress, timings: dict, role: str) -> dict:
+    """Export one checkpoint, optimize it for ONNX Runtime, check it against torch, then quantize it.
+
+    A quantized engine keeps its unquantized reference beside it (<role>-fp32) so `validate --remeasure`
+    can measure its accuracy again; the manifest records the accuracy numbers and the budget."""
     from specpipe.checkpoint import inspect_checkpoint, load_causal_lm
 
     info = inspect_checkpoint(ckpt.path)
@@ -131,14 +137,26 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, say: Progress, timings: dic
         name=role,
     )
     timings[f"{role}_check_s"] = time.perf_counter() - t1
-    return {
+    entry = {
         "source": ckpt.source,
         "resolved_path": str(ckpt.path),
         "weights_sha256": ckpt.weights_sha256,
         "checkpoint": info.model_dump(mode="json"),
-        "engine": {"path": out.name, "backend": "onnxruntime", "quant": "none", "files": file_hashes(out)},
+        "engine": {"path": out.name, "backend": "onnxruntime", "quant": qcfg.mode, "files": {}},
         "export_check": {"max_abs_diff": max_abs_diff, "tolerance": cfg.export_tolerance},
     }
+    if qcfg.mode != "none":
+        from specpipe.quantize import quantize_engine
+
+        t2 = time.perf_counter()
+        reference = out.with_name(f"{role}-fp32")
+        out.rename(reference)
+        say(f"quantizing the {role} ({qcfg.mode}) and measuring its accuracy")
+        entry["quant"] = {**quantize_engine(reference, out, qcfg, tokenizer, model_name=role, threads=cfg.threads),
+                          "reference_path": reference.name}
+        timings[f"{role}_quantize_s"] = time.perf_counter() - t2
+    entry["engine"]["files"] = file_hashes(out)
+    return entry
 
 
 def _build_self_draft(stage: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict, target_source: str) -> dict:

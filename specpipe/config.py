@@ -70,6 +70,8 @@ class BuildConfig(Strict):
     export_tolerance: float = Field(1e-3, gt=0, description="max |logit diff| engine vs torch (fp32)")
     backend: Literal["onnxruntime"] = "onnxruntime"
     ngram: "NgramConfig" = Field(default_factory=lambda: NgramConfig(), description="--draft ngram: lookup sizes")
+    quant: "QuantConfig" = Field(default_factory=lambda: QuantConfig(), description="target quantization")
+    draft_quant: "QuantConfig" = Field(default_factory=lambda: QuantConfig(), description="draft model quantization")
 
     @field_validator("name")
     @classmethod
@@ -319,7 +321,6 @@ class NgramConfig(Strict):
         return self
 
 
-BuildConfig.model_rebuild()  # resolves its `ngram: NgramConfig` field, defined after it
 
 
 QuantMode = Literal["none", "int8-wo", "int4-wo", "int8", "fp8"]
@@ -341,8 +342,9 @@ class AccuracyBudget(Strict):
 class QuantConfig(Strict):
     """How one engine (target or draft) is quantized; `mode` none keeps fp32.
 
-    int8-wo / int4-wo: weight-only, ONNX Runtime MatMulNBits (group-wise, symmetric).
-    int8: W8A8 QDQ, per-channel weights, activation scales calibrated on prompts.
+    int8-wo / int4-wo: weight-only, ONNX Runtime MatMulNBits, group-wise (int4: asymmetric, with the
+    lm_head kept at int8; specpipe.quantize.weight_only.RECIPES).
+    int8: W8A8 QDQ, per-channel weights, per-tensor activation scales calibrated on prompts.
     fp8: E4M3 weights and activations as QDQ with calibrated scales; ONNX Runtime on CPU emulates
     it (that is how accuracy is checked here), TensorRT on Hopper/Ada runs the same graph natively.
     """
@@ -367,6 +369,9 @@ class QuantConfig(Strict):
     @property
     def needs_calibration(self) -> bool:
         return self.mode in ("int8", "fp8")
+
+
+BuildConfig.model_rebuild()  # resolves its NgramConfig / QuantConfig fields, defined after it
 
 
 # ---- GPU backends (`specpipe build --backend tensorrt|trtllm`): what specpipe.gpu.make_plan plans.

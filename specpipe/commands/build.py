@@ -8,7 +8,10 @@ from pathlib import Path
 import click
 
 from specpipe.commands.gpu_build import backend_of, gpu_build, gpu_options, split_gpu_options
-from specpipe.config import BuildConfig, NgramConfig, field_default, field_help, make_config
+from specpipe.config import AccuracyBudget, BuildConfig, NgramConfig, QuantConfig, field_default, field_help, make_config
+from specpipe.quantize.pipeline import MODE_HELP
+
+_QUANT_MODES = click.Choice(["none", "int8-wo", "int4-wo", "int8", "fp8"])
 
 
 @click.command()
@@ -21,6 +24,23 @@ from specpipe.config import BuildConfig, NgramConfig, field_default, field_help,
               help="--draft ngram: " + field_help(NgramConfig, "ngram_max"))
 @click.option("--ngram-min", type=int, default=field_default(NgramConfig, "ngram_min"), show_default=True,
               help="--draft ngram: " + field_help(NgramConfig, "ngram_min"))
+@click.option("--quant", type=_QUANT_MODES, default="none", show_default=True, help="Target quantization: " + MODE_HELP)
+@click.option("--draft-quant", type=_QUANT_MODES, default="none", show_default=True,
+              help="Draft model quantization (same modes; never changes the output, only acceptance).")
+@click.option("--group-size", type=int, default=field_default(QuantConfig, "group_size"), show_default=True,
+              help=field_help(QuantConfig, "group_size"))
+@click.option("--calib-prompts", type=click.Path(path_type=Path), default=None, help=field_help(QuantConfig, "calib_prompts"))
+@click.option("--calib-size", type=int, default=field_default(QuantConfig, "calib_size"), show_default=True,
+              help=field_help(QuantConfig, "calib_size"))
+@click.option("--smooth-quant", is_flag=True, help=field_help(QuantConfig, "smooth_quant"))
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
+              help="KV cache precision. onnxruntime: auto only; fp8/int8 need --backend tensorrt or trtllm.")
+@click.option("--max-ppl-increase", type=float, default=field_default(AccuracyBudget, "max_ppl_increase"), show_default=True,
+              help="Budget: " + field_help(AccuracyBudget, "max_ppl_increase"))
+@click.option("--min-top1-agreement", type=float, default=field_default(AccuracyBudget, "min_top1_agreement"),
+              show_default=True, help="Budget: " + field_help(AccuracyBudget, "min_top1_agreement"))
+@click.option("--max-mean-kl", type=float, default=None, help="Budget: " + field_help(AccuracyBudget, "max_mean_kl"))
+@click.option("--accept-accuracy-loss", is_flag=True, help="Keep a quantized engine that is over its accuracy budget.")
 @click.option("--name", default=None, help="Output name under --engines-dir. [default: TARGET--DRAFT]")
 @click.option("--engines-dir", type=click.Path(path_type=Path), default=field_default(BuildConfig, "engines_dir"), show_default=True)
 @click.option("--repo-dir", type=click.Path(path_type=Path), default=field_default(BuildConfig, "repo_dir"), show_default=True,
@@ -54,7 +74,8 @@ def build(as_json: bool, no_repo: bool, **options) -> None:
     gpu = split_gpu_options(build, options)
     if backend_of(gpu) is not None:  # --backend tensorrt | trtllm: specpipe/commands/gpu_build.py
         return gpu_build(gpu, options, as_json=as_json)
-    cfg = make_config(BuildConfig, **options, ngram=ngram)
+    quant, draft_quant = _quant_configs(options)
+    cfg = make_config(BuildConfig, **options, ngram=ngram, quant=quant, draft_quant=draft_quant)
     console = Console(stderr=True)
     with console.status("building") as status:
         folder = build_pair(cfg, progress=lambda msg: (status.update(msg), console.log(msg)))
@@ -73,3 +94,13 @@ def build(as_json: bool, no_repo: bool, **options) -> None:
         else:
             click.echo(f"  draft  prompt lookup (n-grams {d['ngram']['ngram_min']}..{d['ngram']['ngram_max']})")
         click.echo(f"  took {manifest['timings_s']['total_s']:.1f} s")
+
+
+def _quant_configs(options: dict) -> tuple[QuantConfig, QuantConfig]:
+    """Pop the quantization options; target and draft share everything but the mode."""
+    budget = make_config(AccuracyBudget, **{k: options.pop(k) for k in ("max_ppl_increase", "min_top1_agreement", "max_mean_kl")})
+    shared = {k: options.pop(k) for k in ("group_size", "calib_prompts", "calib_size", "smooth_quant", "kv_cache_dtype",
+                                          "accept_accuracy_loss")}
+    mode, draft_mode = options.pop("quant"), options.pop("draft_quant")
+    return (make_config(QuantConfig, mode=mode, budget=budget, **shared),
+            make_config(QuantConfig, mode=draft_mode, budget=budget, **shared))

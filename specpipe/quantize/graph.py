@@ -112,12 +112,13 @@ def kv_input_shapes(model) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def save_ort_optimized(folder: Path, *, threads: int = 2, qdq_fusion: bool = True) -> None:
+def save_ort_optimized(
+    folder: Path, *, threads: int = 2, disabled_optimizers: tuple[str, ...] = (), config: dict[str, str] | None = None
+) -> None:
     """Replace folder/model.onnx with ONNX Runtime's optimized graph (as the build does for fp32 engines).
 
-    Done here, once, because the optimizer is also where QDQ pairs become integer kernels (int8), and
-    because it must be told not to do that for fp8: ORT 1.31 fuses fp8 QDQ around a MatMul into a
-    QLinearMatMul that has no fp8 kernel, and the session then fails to load.
+    Done here, once, because the optimizer is also where QDQ pairs become integer kernels; the quantizer
+    says which optimizers to hold back (see static.ORT_OPTIMIZER_SETTINGS for why).
     """
     import tempfile
 
@@ -130,12 +131,14 @@ def save_ort_optimized(folder: Path, *, threads: int = 2, qdq_fusion: bool = Tru
         options = session_options(threads)
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED  # the highest that saves
         options.optimized_model_filepath = str(Path(tmp) / MODEL_FILE)
-        if not qdq_fusion:
-            options.add_session_config_entry("session.disable_quant_qdq", "1")
+        for key, value in (config or {}).items():
+            options.add_session_config_entry(key, value)
         if folder_bytes(folder) > PROTOBUF_LIMIT:
             options.add_session_config_entry("session.optimized_model_external_initializers_file_name", EXTERNAL_DATA_FILE)
             options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-        ort.InferenceSession(str(folder / MODEL_FILE), options, providers=["CPUExecutionProvider"])
+        ort.InferenceSession(
+            str(folder / MODEL_FILE), options, providers=["CPUExecutionProvider"], disabled_optimizers=list(disabled_optimizers)
+        )
         for path in model_files(folder):
             path.unlink()
         for path in model_files(Path(tmp)):

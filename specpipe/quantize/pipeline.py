@@ -108,7 +108,9 @@ def quantize_onnx(src_dir: Path, dst_dir: Path, cfg: QuantConfig, calib: Sequenc
             )
     meta["quant"] = cfg.mode
     if cfg.mode != "none":
-        save_ort_optimized(dst_dir, qdq_fusion=cfg.mode != "fp8")
+        from specpipe.quantize.static import ORT_OPTIMIZER_SETTINGS
+
+        save_ort_optimized(dst_dir, **ORT_OPTIMIZER_SETTINGS.get(cfg.mode, {}))
         meta["ort_optimized"] = True
     (dst_dir / ENGINE_META).write_text(json.dumps(meta, indent=2) + "\n")
     calib_used = [ids for ids in (calib or []) if ids] if cfg.needs_calibration else []

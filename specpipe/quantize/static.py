@@ -4,10 +4,13 @@ Both go through onnxruntime.quantization.quantize_static in QDQ format: Quantize
 pairs around the linear layers (the constant-weight MatMuls, lm_head included once untied), weights
 per output channel, activation scales from running calibration prompts through the model.
 
-- int8: ONNX Runtime on CPU fuses the QDQ pairs into integer MatMuls (real int8 compute).
-- fp8: ONNX Runtime on CPU has no fp8 MatMul; it runs the Q/DQ pairs in fp32, which emulates the
-  rounding exactly, so accuracy is measured faithfully but nothing gets faster. TensorRT on Hopper/Ada
-  runs the same graph natively in fp8.
+- int8: ONNX Runtime on CPU fuses each DQ -> MatMul into MatMulIntegerToFloat (real int8 compute).
+  Activations are quantized per tensor, statically: LLM activation outliers make that lossy, which is
+  what SmoothQuant (--smooth-quant, needs the `smoothquant` extra) moves into the weights.
+- fp8: ONNX Runtime on CPU has no fp8 MatMul. The saved CPU engine holds the fp8-rounded weights as fp32
+  and keeps fp8 Q/DQ on the activations: an exact emulation, so accuracy is measured faithfully but
+  nothing gets faster. TensorRT on Hopper/Ada runs such a QDQ graph natively in fp8 (the GPU build makes
+  its own with NVIDIA ModelOpt, whose ONNX fp8 recipe, amax / 448 scales, is the one used here too).
 
 Only the linear layers are quantized: the attention score products (Q.K^T, softmax.V) and norms stay
 fp32 here, as in SmoothQuant's W8A8 and TensorRT-LLM's fp8 recipes for the weights' GEMMs.
@@ -28,6 +31,16 @@ from specpipe.errors import UsageError
 from specpipe.quantize.calibration import KvCalibrationReader
 from specpipe.quantize.graph import MODEL_FILE, PROTOBUF_LIMIT, constant_weight_matmuls, save_model
 
+# How ONNX Runtime's optimizer must be run on each calibrated graph before it is saved as the engine.
+# - int8: ORT merges the per-consumer Q/DQ pairs back into one (common subexpression elimination runs
+#   before the QDQ fusions), and a DQ with several consumers is not fused into MatMulIntegerToFloat.
+# - fp8: ORT 1.31 fuses fp8 Q/DQ around a MatMul into a QLinearMatMul, which has no fp8 kernel (the
+#   session fails to load); with QDQ fusions off, the fp8 weights are folded to fp32 (exact fp8 values)
+#   and the activations keep their Q/DQ pairs: an exact emulation.
+ORT_OPTIMIZER_SETTINGS = {
+    "int8": {"disabled_optimizers": ("CommonSubexpressionElimination",)},
+    "fp8": {"config": {"session.disable_quant_qdq": "1"}},
+}
 SMOOTH_QUANT_ALPHA = 0.5  # SmoothQuant's default migration strength
 FP8_MIN_OPSET = 19
 E4M3_MAX = 448.0
@@ -52,8 +65,8 @@ def quantize_calibrated(
         raise UsageError("SmoothQuant smoothing applies to int8 (W8A8) only")
     if smooth_quant and not smooth_quant_available():
         raise UsageError(
-            "SmoothQuant needs Intel Neural Compressor 2.x (pip install 'neural-compressor<3'); "
-            "ONNX Runtime's SmoothQuant option imports its ONNX adaptor"
+            "--smooth-quant needs Intel Neural Compressor 2.x, which ONNX Runtime's SmoothQuant imports:"
+            " pip install 'specpipe[smoothquant]'"
         )
     if mode == "int8":
         qtype, method = QuantType.QInt8, CalibrationMethod.MinMax
@@ -68,7 +81,7 @@ def quantize_calibrated(
         "OpTypesToExcludeOutputQuantization": ["MatMul"],
         # One Q/DQ pair per consumer: ORT fuses DQ -> MatMul into an integer kernel (MatMulIntegerToFloat)
         # only when the DQ feeds that MatMul alone. With q/k/v (and gate/up) sharing one pair, 150 of
-        # SmolLM2's 211 layers stayed dequantize-then-fp32 and a token took 9x longer.
+        # SmolLM2's 211 layers stayed dequantize-then-fp32 and a token took 7x longer than with SmoothQuant.
         "DedicatedQDQPair": True,
     }
     if smooth_quant:

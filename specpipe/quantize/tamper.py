@@ -1,6 +1,7 @@
 """Test-only: break a quantized engine on purpose, so tests can show the accuracy budget catches it.
 
-Never called by the build. Every dequantizing node (DequantizeLinear, MatMulNBits) gets its scale
+Never called by the build. Every dequantizing node (DequantizeLinear, MatMulNBits, and the weight side of
+MatMulIntegerToFloat, ORT's fused int8 kernel) gets its scale
 multiplied by `factor`, so what it reconstructs is `factor` times too large. A Q/DQ pair shares one scale
 initializer, and scaling that shared tensor would cancel out; each dequantizer gets its own copy instead.
 """
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from specpipe.quantize.graph import load_model, save_model
 
-SCALE_INPUT = {"DequantizeLinear": 1, "MatMulNBits": 2}  # op type -> index of its scale input
+SCALE_INPUT = {"DequantizeLinear": 1, "MatMulNBits": 2, "MatMulIntegerToFloat": 3}  # op type -> its (weight) scale input
 
 
 def scale_quantization_scales(folder: Path, factor: float = 10.0) -> int:
