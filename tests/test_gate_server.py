@@ -13,7 +13,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from specpipe.spec.verify import PLANTED_BIAS_ENV
-from test_gate import _toml, one_line_error, small_gate, validate, write_toml  # tests/ is on sys.path
+from tests.test_gate import _toml, one_line_error, small_gate, validate, write_toml
 
 
 @pytest.fixture(scope="module")
