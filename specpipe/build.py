@@ -69,7 +69,7 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         if cfg.draft_kind == "ngram":
             draft_entry = {"kind": "ngram", "source": "ngram", "ngram": cfg.ngram.model_dump()}
         elif cfg.draft_kind == "self":
-            draft_entry = _build_self_draft(stage, cfg, tokenizer, say, timings, target.source)
+            draft_entry = _build_self_draft(stage, cfg, tokenizer, say, timings, target_entry)
         elif draft.weights_sha256 == target.weights_sha256 and cfg.draft_quant == cfg.quant:
             say("draft is the target: reusing its engine")
             shutil.copytree(stage / "target", stage / "draft", copy_function=_link_or_copy)
@@ -159,26 +159,28 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
     return entry
 
 
-def _build_self_draft(stage: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict, target_source: str) -> dict:
+def _build_self_draft(stage: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict, target_entry: dict) -> dict:
     """`--draft self:MODE`: the target's own engine, weight-only quantized, drafts for it.
 
-    Quantized from the unquantized target engine in `stage/target`. Its accuracy is measured and recorded
-    but never fails the build: a draft's precision changes how often it is accepted, never the output.
+    Quantized from the unquantized target engine (`target/`, or `target-fp32/` when --quant quantized the
+    target). Its accuracy is measured and recorded but never fails the build: a draft's precision changes
+    how often it is accepted, never the output.
     """
     from specpipe.config import QuantConfig
     from specpipe.quantize import quantize_engine
 
     mode = cfg.draft.removeprefix("self:")
+    reference = (target_entry.get("quant") or {}).get("reference_path") or target_entry["engine"]["path"]
     t0 = time.perf_counter()
     say(f"quantizing the target ({mode}) as its own draft")
-    quant = quantize_engine(stage / "target", stage / "draft", QuantConfig(mode=mode, accept_accuracy_loss=True),
+    quant = quantize_engine(stage / reference, stage / "draft", QuantConfig(mode=mode, accept_accuracy_loss=True),
                             tokenizer, model_name="self-draft", threads=cfg.threads)
     timings["draft_quantize_s"] = time.perf_counter() - t0
     return {
         "kind": "self",
-        "source": f"{cfg.draft} of {target_source}",
+        "source": f"{cfg.draft} of {target_entry['source']}",
         "engine": {"path": "draft", "backend": "onnxruntime", "quant": mode, "files": file_hashes(stage / "draft")},
-        "quant": quant,
+        "quant": {**quant, "reference_path": reference},
     }
 
 

@@ -23,7 +23,7 @@ def self_pair(tiny_self_build):
 
 
 def greedy(deployment, prompt, **overrides):
-    cfg = GenerationConfig(max_new_tokens=48, stop_on_eos=False, **overrides)
+    cfg = GenerationConfig(max_new_tokens=48, stop_on_eos=False, draft_length="fixed", **overrides)
     return deployment.generator.generate(prompt, cfg)
 
 
@@ -87,7 +87,11 @@ def sample_first_two(deployment, cfg, n):
     pairs = []
     decoder = deployment.generator.decoder
     for seed in range(n):
-        emitted = [t for step in decoder.decode(CONTEXT, cfg.model_copy(update={"seed": seed}), SpecStats()) for t in step]
+        steps = decoder.decode(CONTEXT, cfg.model_copy(update={"seed": seed}), SpecStats())
+        emitted = next(steps)
+        if len(emitted) < 2:
+            emitted += next(steps)
+        steps.close()
         pairs.append((emitted[0], emitted[1]))
     return pairs
 
@@ -109,7 +113,10 @@ def first_and_second_pvalues(deployment, cfg):
     return p_first, p_second, len(seconds)
 
 
-SAMPLED = GenerationConfig(max_new_tokens=2, num_draft_tokens=2, stop_on_eos=False, sampling=SamplingConfig(temperature=1.0))
+# max_new_tokens=3 leaves room for a whole 2-token draft, so the second token is reached through a second
+# accepted draft, a recovered token, or the bonus token; only the first two tokens are tested.
+SAMPLED = GenerationConfig(max_new_tokens=3, num_draft_tokens=2, draft_length="fixed", stop_on_eos=False,
+                           sampling=SamplingConfig(temperature=1.0))
 
 
 def test_sampling_matches_target_distribution(pair):

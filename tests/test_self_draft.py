@@ -30,10 +30,11 @@ def build_args(target, engines_dir, name, *extra):
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory, tiny_target):
-    """engines/ngram and engines/self-int4, built through the CLI."""
+    """engines/ngram, engines/self-int4 and engines/int8-self-int4 (a quantized target), built through the CLI."""
     engines = tmp_path_factory.mktemp("nomodel-engines")
     for name, draft in [("ngram", ["--draft", "ngram", "--ngram-max", "4", "--ngram-min", "2"]),
-                        ("self-int4", ["--draft", "self:int4-wo"])]:
+                        ("self-int4", ["--draft", "self:int4-wo"]),
+                        ("int8-self-int4", ["--draft", "self:int4-wo", "--quant", "int8-wo", "--accept-accuracy-loss"])]:
         with pytest.raises(SystemExit) as exc:
             main(build_args(tiny_target, engines, name, *draft))
             raise SystemExit(0)
@@ -71,6 +72,15 @@ def test_self_draft_build_is_the_target_quantized(builds):
     deployment = load_deployment(builds / "self-int4", threads=1)
     assert isinstance(deployment.drafter, ModelDrafter)
     for _ in _greedy_equivalence(deployment):
+        pass
+
+
+def test_self_draft_of_a_quantized_target_starts_from_the_unquantized_engine(builds):
+    manifest = json.loads((builds / "int8-self-int4" / "manifest.json").read_text())
+    assert manifest["target"]["engine"]["quant"] == "int8-wo"
+    assert manifest["draft"]["quant"]["reference_path"] == manifest["target"]["quant"]["reference_path"] == "target-fp32"
+    assert manifest["draft"]["quant"]["mode"] == "int4-wo"
+    for _ in _greedy_equivalence(load_deployment(builds / "int8-self-int4", threads=1)):
         pass
 
 
