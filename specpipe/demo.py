@@ -145,11 +145,43 @@ def generate_samples(demo: Demo) -> str:
     return f"{len(PROMPTS)} prompts, speedup {min(speedups):.2f}x-{max(speedups):.2f}x vs the target alone"
 
 
+def serve_and_gate(demo: Demo) -> str:
+    """Start the real Triton server on the repository, stream one request, then run the validation gate
+    through it (build/demo_gate.toml; the release gate is build/gate.toml)."""
+    from specpipe.config import GenerationConfig
+    from specpipe.gate import load_gate, run_gate
+    from specpipe.triton.client import remote_generate
+    from specpipe.triton.server import ServerConfig, TritonServer, free_port
+
+    ports = dict(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
+    with demo.console.status("starting tritonserver"):
+        server = TritonServer(demo.repo_dir, ServerConfig(**ports)).start()
+    try:
+        ready_s = server.wait_ready()
+        demo.console.print(f"tritonserver ready at {server.url} in {ready_s:.1f} s; streaming one request:")
+        stream = remote_generate(server.url, PROMPTS[0][1], GenerationConfig(max_new_tokens=48), stream=True, chat=True)
+        for delta in stream:
+            demo.console.print(delta, end="", markup=False, highlight=False)
+        demo.console.print()
+        gate_file = Path(__file__).resolve().parent.parent / "build" / "demo_gate.toml"
+        report = run_gate(server.url, load_gate(gate_file if gate_file.is_file() else None), "url", REPORT_DIR,
+                          engines=demo.engine_dir)
+    finally:
+        server.stop()
+    for line in report.summary_lines():
+        demo.console.print(line)
+    demo.results["gate_passed"] = report.passed
+    return f"gate {'PASSED' if report.passed else 'FAILED'}; report: {REPORT_DIR / 'report.html'}"
+
+
+REPORT_DIR = Path("reports/demo-gate")
+
 STEPS: list[Step] = [
     Step("fetch the model", fetch_model),
     Step("distill a draft", distill_draft),
     Step("build the engines", build_engines),
     Step("generate", generate_samples),
+    Step("serve on Triton and gate the release", serve_and_gate),
 ]
 
 
@@ -171,6 +203,8 @@ def main(steps: Optional[list[Step]] = None) -> Demo:
     summary.add_row("[bold]total", f"[bold]{time.perf_counter() - started:.0f} s", "")
     console.rule()
     console.print(summary)
+    if demo.results.get("gate_passed") is False:
+        raise SystemExit(1)
     return demo
 
 
