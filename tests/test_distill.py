@@ -103,6 +103,32 @@ def test_training_learns_from_the_teacher(tiny_target, cache, tmp_path):
     assert agreement(student, data) > before + 0.15
 
 
+def test_student_starts_as_the_target_projected(tiny_target):
+    """Full width and depth: the projection is the identity, so the draft starts as the target exactly.
+    Any orthonormal basis of the full width gives the same model up to the final norm's gain."""
+    from specpipe.checkpoint import load_causal_lm
+    from specpipe.distill.student import _project_layers, make_student
+
+    target = load_causal_lm(tiny_target)
+    ids = torch.tensor([[1, 5, 9, 30, 77, 12, 40]])
+    with torch.no_grad():
+        target_logits = target(ids).logits
+        copy = make_student(target, layers=target.config.num_hidden_layers, width=0, seed=0)
+        assert torch.allclose(copy(ids).logits, target_logits, atol=1e-5)
+
+        torch.nn.init.ones_(target.model.norm.weight)  # a gain that commutes with any basis
+        target_logits = target(ids).logits
+        rotation, _ = torch.linalg.qr(torch.randn(target.config.hidden_size, target.config.hidden_size))
+        rotated = make_student(target, layers=target.config.num_hidden_layers, width=0, seed=0)
+        rotated.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight @ rotation)
+        rotated.get_output_embeddings().weight.copy_(target.get_output_embeddings().weight @ rotation)
+        _project_layers(target, rotated, rotation)
+        assert torch.allclose(rotated(ids).logits, target_logits, atol=1e-4)
+
+        narrow = make_student(target, layers=1, width=32, seed=0, samples=[ids[0]])
+        assert narrow.config.hidden_size == 32 and torch.isfinite(narrow(ids).logits).all()
+
+
 def test_teacher_rows_are_the_targets_distributions(tiny_target):
     """Row t of the teacher data is the target's own distribution over token t+1 (prompt and answer alike)."""
     from specpipe.checkpoint import load_causal_lm

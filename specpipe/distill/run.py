@@ -146,7 +146,7 @@ def distill(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> D
     from specpipe.checkpoint import load_causal_lm, load_tokenizer, resolve_checkpoint
     from specpipe.checkpoint.load import require_causal_lm
     from specpipe.distill.student import draft_cost_ratio, make_student
-    from specpipe.distill.train import Trainer, agreement
+    from specpipe.distill.train import Trainer
 
     progress = progress or SilentProgress()
     started = time.perf_counter()
@@ -164,14 +164,16 @@ def distill(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> D
     held_ids = {id(s) for s in held_out}
     train_set = [s for s in sequences if id(s) not in held_ids] or sequences
 
-    student = make_student(model, layers=cfg.layers, width=cfg.width, seed=cfg.seed)
+    # The projection basis comes from the target's residual stream on a few of its own answers.
+    samples = [s.token_ids for s in train_set[:16]]
+    student = make_student(model, layers=cfg.layers, width=cfg.width, seed=cfg.seed, samples=samples)
     state_path = out / STATE_DIR / "state.pt"
     if cfg.force and out.is_dir() and not cfg.resume:
         shutil.rmtree(out)
     train_budget_s = cfg.minutes * 60 * (1 - cfg.data_fraction)
     trainer = Trainer(student, train_set, budget_s=train_budget_s, lr=cfg.lr, batch_tokens=cfg.batch_tokens,
                       negatives=cfg.negatives, seed=cfg.seed, state_path=state_path,
-                      checkpoint_every=cfg.checkpoint_every)
+                      checkpoint_every=cfg.checkpoint_every, held_out=held_out)
     if cfg.resume:
         trainer.load()
         progress.log(f"resumed at step {trainer.state.step} ({trainer.state.elapsed_s:.0f} s of {train_budget_s:.0f} s)")
@@ -180,7 +182,7 @@ def distill(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> D
         min(r.elapsed_s, r.budget_s), loss=r.loss, agree=r.agreement, tok_s=r.tokens_per_s))
     trainer.save()
 
-    held_out_agreement = agreement(student, held_out) if held_out else None
+    best = trainer.best
     record = {
         "format": 1,
         "target": {"source": cfg.target, "path": str(target.path), "weights_sha256": target.weights_sha256},
@@ -195,7 +197,11 @@ def distill(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> D
         "training": {"steps": state.step, "seconds": round(state.elapsed_s, 1), "tokens_seen": state.tokens_seen,
                      "epochs": round(state.tokens_seen / max(1, sum(len(s) for s in train_set)), 2),
                      "final_loss": round(state.recent_loss, 4), "history": state.history},
-        "held_out_agreement": held_out_agreement,
+        # Agreement with the target's greedy answers to held-out prompts, of the weights kept (the best
+        # seen on those answers during training, so slightly optimistic).
+        "held_out_agreement": best[0] if best else None,
+        "kept_step": best[1] if best else state.step,
+        "held_out_curve": state.evals,
         "wall_s": round(time.perf_counter() - started, 1),
     }
     _write_checkpoint(student, tokenizer, target.path, out, record)

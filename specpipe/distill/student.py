@@ -1,44 +1,46 @@
 """The draft model a distillation starts from: a small Llama that shares the target's vocabulary.
 
 Its cost per token is dominated by the vocabulary head (V x width weights read per token), so the
-width is the main speed knob; layers are cheap at small widths. The embedding (tied to the head when
-the target's is) starts as the target's own embedding projected onto its top `width` principal
-directions, so the draft begins with the target's notion of which tokens are alike.
+hidden width is the speed knob. The draft keeps the target's attention and MLP geometry (heads,
+head size, intermediate size) and narrows only the residual stream, so it can start from the target
+itself: with P [hidden, width] an orthonormal basis of the subspace where the target's residual
+stream lives (principal directions of its hidden states on sample text, or of its embedding),
+
+    embedding' = E P,  W_in' = W_in diag(g) P  (q, k, v, gate, up),  W_out' = P^T W_out  (o, down),
+
+for evenly spaced target layers, with each RMSNorm's gain g folded into the weights it feeds. Training
+then starts from a compressed copy of the target rather than from noise (FINDINGS: copied layers beat
+random ones; narrow drafts need the projection to reuse them).
 """
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 
 
-def _divisor_at_most(n: int, limit: int) -> int:
-    return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(1, limit))
-
-
 def student_config(target_config, *, layers: int, width: int):
-    """A LlamaConfig for the draft: the target's vocabulary, special ids and positions; its own size."""
+    """A LlamaConfig for the draft: the target's vocabulary, special ids, positions, attention and MLP
+    geometry; its own residual width and depth."""
     from transformers import LlamaConfig
 
     t = target_config
-    target_width = t.hidden_size
-    head_dim = getattr(t, "head_dim", None) or target_width // t.num_attention_heads
-    heads = max(1, width // head_dim) if width % head_dim == 0 else _divisor_at_most(width, width // 32)
-    head_dim = width // heads
-    group = max(1, t.num_attention_heads // (getattr(t, "num_key_value_heads", None) or t.num_attention_heads))
-    kv_heads = _divisor_at_most(heads, max(1, heads // min(group, 2)))
-    mlp_ratio = (getattr(t, "intermediate_size", None) or 4 * target_width) / target_width
+    heads = t.num_attention_heads
     return LlamaConfig(
         vocab_size=t.vocab_size,
         hidden_size=width,
-        intermediate_size=int(round(width * mlp_ratio / 32)) * 32,
+        intermediate_size=getattr(t, "intermediate_size", None) or 4 * t.hidden_size,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
+        num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
         hidden_act=getattr(t, "hidden_act", "silu"),
         max_position_embeddings=getattr(t, "max_position_embeddings", 2048),
         rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
         rope_theta=getattr(t, "rope_theta", 10000.0),
+        rope_scaling=getattr(t, "rope_scaling", None),
         tie_word_embeddings=bool(getattr(t, "tie_word_embeddings", False)),
         bos_token_id=t.bos_token_id,
         eos_token_id=t.eos_token_id,
@@ -54,48 +56,88 @@ def principal_directions(matrix: torch.Tensor, width: int) -> torch.Tensor:
     return vh[:width].T.contiguous()
 
 
-def make_student(target, *, layers: int, width: int, seed: int):
-    """A fresh draft for `target` (a transformers causal LM). width 0 = the target's width, whose embedding,
-    head and final norm are then copied as they are, and whose layers start as evenly spaced target layers."""
+@torch.inference_mode()
+def residual_basis(target, samples: list[torch.Tensor], width: int) -> torch.Tensor:
+    """[hidden, width]: top eigenvectors of the second moment of the target's residual stream over
+    `samples` (token id tensors), every layer's input included, each state scaled to unit RMS so that
+    no layer or outlier token dominates."""
+    hidden = target.config.hidden_size
+    moment = torch.zeros(hidden, hidden, dtype=torch.float64)
+    for ids in samples:
+        states = target(input_ids=ids[None], output_hidden_states=True).hidden_states  # (layers+1) x [1, T, H]
+        for layer_states in states:
+            x = layer_states[0].double()
+            x = x / x.pow(2).mean(-1, keepdim=True).sqrt().clamp(min=1e-6)
+            moment += x.T @ x
+    _, eigenvectors = torch.linalg.eigh(moment)  # ascending eigenvalues
+    return eigenvectors[:, -width:].flip(-1).float().contiguous()
+
+
+def make_student(target, *, layers: int, width: int, seed: int, samples: Optional[list[torch.Tensor]] = None):
+    """A fresh draft for `target` (a transformers causal LM). width 0 = the target's width.
+
+    Starts from the target projected onto `width` dimensions (module docstring): the basis comes from
+    the residual stream on `samples` when given, else from the embedding. A target whose layers are not
+    Llama-shaped gives a draft with the projected embedding and random layers.
+    """
     from transformers import LlamaForCausalLM
 
-    target_width = target.config.hidden_size
-    width = width or target_width
+    hidden = target.config.hidden_size
+    width = width or hidden
     torch.manual_seed(seed)
     student = LlamaForCausalLM(student_config(target.config, layers=layers, width=width)).float()
-    target_embed = target.get_input_embeddings().weight.detach().float()
-    target_head = target.get_output_embeddings().weight.detach().float()
+    embed = target.get_input_embeddings().weight.detach().float()
+    if width == hidden:
+        basis = torch.eye(hidden)
+    elif width > hidden:
+        basis = torch.cat([torch.eye(hidden), torch.zeros(hidden, width - hidden)], dim=1)
+    elif samples:
+        basis = residual_basis(target, samples, width)
+    else:
+        basis = principal_directions(embed, width)
     with torch.no_grad():
-        if width == target_width:
-            student.get_input_embeddings().weight.copy_(target_embed)
-            if not student.config.tie_word_embeddings:
-                student.get_output_embeddings().weight.copy_(target_head)
-            _copy_layers(target, student)
-        else:
-            _copy_projected(student.get_input_embeddings().weight, target_embed)
-            if not student.config.tie_word_embeddings:
-                _copy_projected(student.get_output_embeddings().weight, target_head)
+        student.get_input_embeddings().weight.copy_(embed @ basis)
+        if not student.config.tie_word_embeddings:
+            student.get_output_embeddings().weight.copy_(target.get_output_embeddings().weight.detach().float() @ basis)
+        try:
+            _project_layers(target, student, basis)
+        except (AttributeError, RuntimeError):
+            pass  # not Llama-shaped: keep random layers, still a valid draft
     return student.eval()
 
 
-def _copy_projected(student_weight: torch.Tensor, target_weight: torch.Tensor) -> None:
-    """student_weight [V, width] <- target_weight [V, hidden] on its top principal directions; a draft wider
-    than the target keeps its random init in the columns beyond the target's width."""
-    rank = min(student_weight.shape[1], target_weight.shape[1])
-    student_weight[:, :rank] = target_weight @ principal_directions(target_weight, rank)
+def _project_layers(target, student, basis: torch.Tensor) -> None:
+    """Copy evenly spaced target layers (first and last included) through the basis; see the module docstring.
 
-
-def _copy_layers(target, student) -> None:
-    """Same width: start from target layers spread over its depth (first and last included), and its final norm."""
+    The student's RMSNorm runs over `width` dims instead of `hidden`: a state keeping all its energy in
+    the subspace has an RMS sqrt(hidden / width) times larger there, which the norm gains undo.
+    """
+    hidden, width = basis.shape
+    rescale = math.sqrt(hidden / width)
     target_layers = target.model.layers
     n, m = len(target_layers), len(student.model.layers)
     picks = [round(i * (n - 1) / max(1, m - 1)) for i in range(m)]
-    for student_layer, index in zip(student.model.layers, picks):
-        try:
-            student_layer.load_state_dict(target_layers[index].state_dict())
-        except RuntimeError:
-            return  # the target is not Llama-shaped: keep the random layers
-    student.model.norm.load_state_dict(target.model.norm.state_dict())
+    for layer, index in zip(student.model.layers, picks):
+        source = target_layers[index]
+        g_attn = source.input_layernorm.weight.detach().float()
+        g_mlp = source.post_attention_layernorm.weight.detach().float()
+        for name in ("q_proj", "k_proj", "v_proj"):
+            _set(getattr(layer.self_attn, name), getattr(source.self_attn, name), lambda w: w * g_attn @ basis)
+        _set(layer.self_attn.o_proj, source.self_attn.o_proj, lambda w: basis.T @ w)
+        for name in ("gate_proj", "up_proj"):
+            _set(getattr(layer.mlp, name), getattr(source.mlp, name), lambda w: w * g_mlp @ basis)
+        _set(layer.mlp.down_proj, source.mlp.down_proj, lambda w: basis.T @ w)
+        layer.input_layernorm.weight.fill_(rescale)
+        layer.post_attention_layernorm.weight.fill_(rescale)
+    g_final = target.model.norm.weight.detach().float()
+    # The final gain does not commute with the projection; its diagonal in the new basis is the nearest fit.
+    student.model.norm.weight.copy_(rescale * ((basis * g_final[:, None]) * basis).sum(0))
+
+
+def _set(student_linear, target_linear, transform) -> None:
+    student_linear.weight.copy_(transform(target_linear.weight.detach().float()))
+    if getattr(target_linear, "bias", None) is not None and getattr(student_linear, "bias", None) is not None:
+        student_linear.bias.copy_(target_linear.bias.detach().float())
 
 
 def draft_cost_ratio(student_config, target_config) -> float:

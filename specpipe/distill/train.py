@@ -42,6 +42,7 @@ class TrainState:
     recent_loss: float = float("nan")
     recent_agreement: float = float("nan")
     history: list = field(default_factory=list)  # (step, elapsed_s, loss, agreement)
+    evals: list = field(default_factory=list)  # (step, elapsed_s, held-out agreement)
 
 
 @dataclass
@@ -145,7 +146,8 @@ def lr_at(state: TrainState, budget_s: float, peak_lr: float) -> float:
 
 class Trainer:
     def __init__(self, student, sequences: list[TeacherSequence], *, budget_s: float, lr: float, batch_tokens: int,
-                 negatives: int, seed: int, state_path: Path, checkpoint_every: int, bf16: bool = True):
+                 negatives: int, seed: int, state_path: Path, checkpoint_every: int, bf16: bool = True,
+                 held_out: Optional[list[TeacherSequence]] = None, eval_every_s: float = 30.0):
         if not sequences:
             raise ValueError("no teacher data to train on")
         self.student, self.sequences = student, sequences
@@ -158,13 +160,17 @@ class Trainer:
         self.state = TrainState()
         self.generator = torch.Generator().manual_seed(seed)
         self._epoch_batches = _batches(sequences, batch_tokens, random.Random(seed))
+        # With a few hundred answers a draft overfits within minutes (FINDINGS): agreement on held-out
+        # answers is measured as training goes, and the best weights are the ones kept.
+        self.held_out, self.eval_every_s = held_out or [], eval_every_s
+        self.best: Optional[tuple[float, int, dict]] = None  # (agreement, step, state_dict)
 
     # ---- restartable state ----
     def save(self) -> None:
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
         torch.save({"model": self.student.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "state": self.state.__dict__, "generator": self.generator.get_state()}, tmp)
+                    "state": self.state.__dict__, "generator": self.generator.get_state(), "best": self.best}, tmp)
         tmp.rename(self.state_path)
 
     def load(self) -> None:
@@ -173,6 +179,7 @@ class Trainer:
         self.optimizer.load_state_dict(saved["optimizer"])
         self.state = TrainState(**saved["state"])
         self.generator.set_state(saved["generator"])
+        self.best = saved.get("best")
         self._epoch_batches = _batches(self.sequences, self.batch_tokens, random.Random(self.seed + self.state.epoch))
 
     # ---- the loop ----
@@ -227,8 +234,25 @@ class Trainer:
                                    state.recent_agreement, window_tokens / window_s if window_s else 0.0))
             if window_s > 20:
                 window_tokens, window_s = 0, 0.0
+            if self.held_out and (state.elapsed_s >= self.budget_s or state.elapsed_s - self._last_eval_s() >= self.eval_every_s):
+                t0 = time.perf_counter()
+                self._evaluate()
+                state.elapsed_s += time.perf_counter() - t0  # evaluation time counts against the budget
+        if self.held_out and self.best is not None:
+            if not state.evals or state.evals[-1][0] != state.step:
+                self._evaluate()
+            self.student.load_state_dict(self.best[2])
         self.student.eval()
         return state
+
+    def _last_eval_s(self) -> float:
+        return self.state.evals[-1][1] if self.state.evals else 0.0
+
+    def _evaluate(self) -> None:
+        score = agreement(self.student, self.held_out)
+        self.state.evals.append((self.state.step, round(self.state.elapsed_s, 1), round(score, 4)))
+        if self.best is None or score > self.best[0]:
+            self.best = (score, self.state.step, {k: v.detach().clone() for k, v in self.student.state_dict().items()})
 
 
 @torch.inference_mode()
