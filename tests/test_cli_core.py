@@ -74,7 +74,7 @@ def test_generate_missing_engine_folder(capsys, tmp_path):
 
 
 def test_build_missing_path_leaves_nothing(capsys, tmp_path, tiny_target):
-    code, _, err = run_cli(capsys, "build", "--target", str(tiny_target), "--draft", str(tmp_path / "missing"),
+    code, _, err = run_cli(capsys, "build", "--no-repo", "--target", str(tiny_target), "--draft", str(tmp_path / "missing"),
                            "--engines-dir", str(tmp_path / "e"), "--name", "x")
     assert_one_line_error(code, err, "missing")
     assert not (tmp_path / "e" / "x").exists()
@@ -82,13 +82,13 @@ def test_build_missing_path_leaves_nothing(capsys, tmp_path, tiny_target):
 
 def test_build_not_a_checkpoint(capsys, tmp_path, tiny_target):
     (tmp_path / "empty").mkdir()
-    code, _, err = run_cli(capsys, "build", "--target", str(tmp_path / "empty"), "--draft", str(tiny_target),
+    code, _, err = run_cli(capsys, "build", "--no-repo", "--target", str(tmp_path / "empty"), "--draft", str(tiny_target),
                            "--engines-dir", str(tmp_path / "e"))
     assert_one_line_error(code, err, "config.json")
 
 
 def test_build_incompatible_pair_leaves_nothing(capsys, tmp_path, tiny_target, tiny_other_vocab):
-    code, _, err = run_cli(capsys, "build", "--target", str(tiny_target), "--draft", str(tiny_other_vocab),
+    code, _, err = run_cli(capsys, "build", "--no-repo", "--target", str(tiny_target), "--draft", str(tiny_other_vocab),
                            "--engines-dir", str(tmp_path / "e"), "--name", "bad")
     assert_one_line_error(code, err, "incompatible")
     assert not (tmp_path / "e" / "bad").exists()
@@ -96,13 +96,13 @@ def test_build_incompatible_pair_leaves_nothing(capsys, tmp_path, tiny_target, t
 
 
 def test_build_bad_max_draft_len(capsys, tmp_path, tiny_target):
-    code, _, err = run_cli(capsys, "build", "--target", str(tiny_target), "--draft", str(tiny_target), "--max-draft-len", "0",
+    code, _, err = run_cli(capsys, "build", "--no-repo", "--target", str(tiny_target), "--draft", str(tiny_target), "--max-draft-len", "0",
                            "--engines-dir", str(tmp_path))
     assert_one_line_error(code, err, "--max-draft-len")
 
 
 def test_build_existing_output_needs_force(capsys, tiny_build):
-    code, _, err = run_cli(capsys, "build", "--target", "x", "--draft", "y", "--engines-dir", str(tiny_build.parent),
+    code, _, err = run_cli(capsys, "build", "--no-repo", "--target", "x", "--draft", "y", "--engines-dir", str(tiny_build.parent),
                            "--name", tiny_build.name)
     assert_one_line_error(code, err, "--force")
     assert (tiny_build / "manifest.json").is_file()
