@@ -76,6 +76,8 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
             draft_entry = {**target_entry, "source": draft.source, "engine": {**target_entry["engine"], "path": "draft"}}
         else:
             draft_entry = _build_engine(draft, stage / "draft", cfg, cfg.draft_quant, tokenizer, say, timings, "draft")
+        say("timing the engines for adaptive K")
+        costs = _measure_step_costs(stage, cfg, has_draft_engine=cfg.draft_kind != "ngram")
         timings["total_s"] = time.perf_counter() - started
         write_manifest(
             stage,
@@ -88,6 +90,7 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
                 "tokenizer": {"path": "tokenizer", "hash": tokenizer_hash(tokenizer)},
                 "eos_token_ids": sorted(inspect_checkpoint(target.path).eos_token_ids),
                 "max_draft_len": cfg.max_draft_len,
+                "step_costs": costs.as_dict(),
                 "target": target_entry,
                 "draft": {"kind": "model", **draft_entry},  # ngram / self entries carry their own kind
                 "timings_s": timings,
@@ -182,6 +185,16 @@ def _build_self_draft(stage: Path, cfg: BuildConfig, tokenizer, say: Progress, t
         "engine": {"path": "draft", "backend": "onnxruntime", "quant": mode, "files": file_hashes(stage / "draft")},
         "quant": {**quant, "reference_path": reference},
     }
+
+
+def _measure_step_costs(stage: Path, cfg: BuildConfig, has_draft_engine: bool):
+    """Draft and verification costs relative to a target step, on these engines and this machine: adaptive
+    K's inputs (spec/adaptive.py). Recorded once, so every process serving the build drafts alike."""
+    from specpipe.spec.adaptive import measure_step_costs
+
+    target = OrtEngine(stage / "target", threads=cfg.threads)
+    draft = OrtEngine(stage / "draft", threads=cfg.threads) if has_draft_engine else None
+    return measure_step_costs(target, draft)
 
 
 def _link_or_copy(src: str, dst: str) -> None:

@@ -33,10 +33,13 @@ class GenerationConfig(Strict):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     max_new_tokens: int = Field(128, ge=1)
     num_draft_tokens: int = Field(4, ge=1, description="K: tokens the draft proposes per step (the first K when adaptive)")
-    draft_length: Literal["adaptive", "fixed"] = Field(
-        "adaptive", description="adaptive: K moves with acceptance and drafting stops when the draft is unsure"
+    draft_length: Literal["adaptive", "heuristic", "fixed"] = Field(
+        "adaptive",
+        description="adaptive: each step drafts the K of highest expected speedup for this request's acceptance "
+        "and the engines' measured costs, and a model draft stops when unsure; heuristic: transformers' "
+        "+2/-1 schedule; fixed: always num_draft_tokens",
     )
-    max_draft_tokens: int = Field(8, ge=1, description="adaptive K's ceiling")
+    max_draft_tokens: int = Field(16, ge=1, description="adaptive K's ceiling (also capped by the build's max_draft_len)")
     min_draft_confidence: float = Field(
         0.4, ge=0.0, le=1.0, description="adaptive: stop drafting after a token whose top draft probability is below this"
     )
@@ -47,7 +50,7 @@ class GenerationConfig(Strict):
 
     @model_validator(mode="after")
     def _adaptive_k_fits(self) -> "GenerationConfig":
-        if self.draft_length == "adaptive" and self.num_draft_tokens > self.max_draft_tokens:
+        if self.draft_length != "fixed" and self.num_draft_tokens > self.max_draft_tokens:
             raise ValueError(
                 f"num_draft_tokens {self.num_draft_tokens} > max_draft_tokens {self.max_draft_tokens} (adaptive K starts there)"
             )
@@ -218,12 +221,13 @@ class DistillConfig(Strict):
 
     target: str
     out: Path
-    layers: int = Field(4, ge=1, le=64, description="decoder layers of the draft")
+    layers: int = Field(2, ge=1, le=64, description="decoder layers of the draft (evenly spaced target layers to start)")
     width: int = Field(
-        256, ge=0, description="hidden size of the draft; 0 = the target's (its embedding, head and layers are copied)"
+        0, ge=0, description="hidden size of the draft; 0 = the target's: embedding, head and layers start as the "
+        "target's (narrower: projected onto the target's principal directions)"
     )
     minutes: float = Field(12.0, gt=0, description="time budget in minutes: target answers + training")
-    data_fraction: float = Field(0.45, ge=0.0, lt=1.0, description="share of --minutes for generating target answers")
+    data_fraction: float = Field(0.6, ge=0.0, lt=1.0, description="share of --minutes for generating target answers")
     seed: int = 0
     data: list[DistillData] = Field(
         default_factory=lambda: ["answers"], min_length=1,
@@ -235,7 +239,7 @@ class DistillConfig(Strict):
     sample_temperature: float = Field(0.7, gt=0.0, description="temperature of answers after the greedy first pass")
     teacher_top_k: int = Field(32, ge=1, description="target probabilities kept per position")
     teacher_dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="precision the target answers in")
-    lr: float = Field(2e-3, gt=0.0, description="peak learning rate (AdamW, cosine over the budget)")
+    lr: float = Field(1e-3, gt=0.0, description="peak learning rate (AdamW, cosine over the budget)")
     batch_tokens: int = Field(4096, ge=64, description="tokens per training step")
     negatives: int = Field(2048, ge=0, description="random vocabulary entries scored with the teacher's top-k each step")
     checkpoint_every: int = Field(50, ge=1, description="steps between saved training states (for --resume)")

@@ -10,6 +10,7 @@ from specpipe.config import GenerationConfig, NgramConfig
 from specpipe.engines.base import Engine, load_engine
 from specpipe.errors import EngineError
 from specpipe.manifest import read_manifest
+from specpipe.spec.adaptive import StepCosts
 from specpipe.spec.drafters import Drafter, ModelDrafter
 from specpipe.spec.generator import SpecGenerator
 from specpipe.spec.ngram import NgramDrafter
@@ -25,6 +26,11 @@ class Deployment:
     generator: SpecGenerator
 
     @property
+    def costs(self) -> StepCosts:
+        """What adaptive K assumes a draft step and a verified token cost (measured at build)."""
+        return self.generator.decoder.costs
+
+    @property
     def max_draft_len(self) -> int:
         return int(self.manifest.get("max_draft_len", 8))
 
@@ -32,7 +38,7 @@ class Deployment:
         """A GenerationConfig for this deployment; a fixed K beyond the built max_draft_len is refused, an
         adaptive K is kept within it."""
         cfg = GenerationConfig(**overrides)
-        if cfg.draft_length == "adaptive":
+        if cfg.draft_length != "fixed":
             ceiling = min(cfg.max_draft_tokens, self.max_draft_len)
             return cfg.model_copy(update={"max_draft_tokens": ceiling, "num_draft_tokens": min(cfg.num_draft_tokens, ceiling)})
         if cfg.num_draft_tokens > self.max_draft_len:
@@ -61,5 +67,6 @@ def load_deployment(folder: str | Path, *, threads: int = 2) -> Deployment:
     tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest["tokenizer"]["path"]))
     target = load_engine(folder / manifest["target"]["engine"]["path"], threads=threads)
     drafter = make_drafter(folder, manifest["draft"], target, threads)
-    generator = SpecGenerator(target, drafter, tokenizer, manifest.get("eos_token_ids", ()))
+    costs = StepCosts(**manifest["step_costs"]) if "step_costs" in manifest else None  # None: the drafter's defaults
+    generator = SpecGenerator(target, drafter, tokenizer, manifest.get("eos_token_ids", ()), costs)
     return Deployment(folder, manifest, tokenizer, target, drafter, generator)

@@ -8,7 +8,15 @@ import pytest
 from pydantic import ValidationError
 
 from specpipe.config import GenerationConfig, SamplingConfig
-from specpipe.spec.adaptive import AdaptiveDraftLength, FixedDraftLength, draft_length_policy
+from specpipe.spec.adaptive import (
+    AdaptiveDraftLength,
+    ExpectedSpeedupDraftLength,
+    FixedDraftLength,
+    StepCosts,
+    best_draft_length,
+    draft_length_policy,
+    expected_speedup,
+)
 from specpipe.spec.decoder import SpeculativeDecoder
 from specpipe.spec.drafters import Drafter, DraftSession, ModelDrafter, Proposal
 from specpipe.spec.ngram import NgramDrafter
@@ -19,7 +27,40 @@ from specpipe.testing.engines import BigramEngine
 # ---- the policy alone ----
 
 
-def test_adaptive_k_follows_a_scripted_acceptance_sequence():
+FREE = StepCosts(draft=0.0, verify_per_token=0.035)  # prompt lookup on a CPU
+MODEL = StepCosts(draft=0.12, verify_per_token=0.035)  # a distilled draft
+
+
+def test_expected_speedup_is_the_papers_improvement_factor_when_verification_is_free():
+    # Leviathan et al. 2023, Theorem 3.8: (1 - a^(K+1)) / ((1 - a)(cK + 1)).
+    for a in (0.1, 0.5, 0.9):
+        for c in (0.0, 0.05, 0.3):
+            for k in (1, 3, 8):
+                paper = (1 - a ** (k + 1)) / ((1 - a) * (c * k + 1))
+                assert expected_speedup(k, a, StepCosts(draft=c, verify_per_token=0.0)) == pytest.approx(paper)
+
+
+def test_best_k_grows_with_acceptance_and_shrinks_with_cost():
+    assert [best_draft_length(a, FREE, 32) for a in (0.2, 0.5, 0.8, 0.95)] == [1, 4, 9, 25]
+    assert [best_draft_length(a, MODEL, 32) for a in (0.2, 0.5, 0.8, 0.95)] == [1, 2, 5, 12]
+    assert best_draft_length(0.95, StepCosts(draft=1.0, verify_per_token=0.035), 32) == 1  # a draft as dear as the target
+    assert best_draft_length(0.95, FREE, 8) == 8  # the ceiling holds
+
+
+def test_expected_speedup_k_follows_a_scripted_acceptance_sequence():
+    script = [((4, 4), 10, 5), ((10, 10), 16, 10), ((16, 0), 10, 5), ((0, 0), 10, 5)]  # no draft: no evidence
+    free, model = ExpectedSpeedupDraftLength(FREE, start=4, max_len=16), ExpectedSpeedupDraftLength(MODEL, start=4, max_len=16)
+    for (drafted, accepted), k_free, k_model in script:
+        free.observe(drafted, accepted)
+        model.observe(drafted, accepted)
+        assert (free.k, model.k) == (k_free, k_model)
+    for _ in range(20):
+        free.observe(free.k, 0)
+    # A draft that is always wrong is cut to one token (the prior keeps a at 1 / (2 + 1/(1 - decay)) = 0.19).
+    assert free.k == 1 and free.acceptance == pytest.approx(0.19, abs=0.01)
+
+
+def test_heuristic_k_follows_a_scripted_acceptance_sequence():
     policy = AdaptiveDraftLength(start=4, max_len=8)
     script = [  # (drafted, accepted) -> K after it
         ((4, 4), 6),
@@ -47,8 +88,9 @@ def test_fixed_k_never_moves():
 
 
 def test_policy_from_config():
-    assert isinstance(draft_length_policy(GenerationConfig()), AdaptiveDraftLength)
-    fixed = draft_length_policy(GenerationConfig(draft_length="fixed", num_draft_tokens=6))
+    assert isinstance(draft_length_policy(GenerationConfig(), FREE), ExpectedSpeedupDraftLength)
+    assert isinstance(draft_length_policy(GenerationConfig(draft_length="heuristic"), FREE), AdaptiveDraftLength)
+    fixed = draft_length_policy(GenerationConfig(draft_length="fixed", num_draft_tokens=6), FREE)
     assert isinstance(fixed, FixedDraftLength) and fixed.k == 6
 
 
@@ -108,7 +150,21 @@ def _run(decoder, prompt, **cfg):
 def test_decoder_asks_for_the_adaptive_k():
     target = BigramEngine.random(16, seed=0)
     drafter = ScriptedDrafter(target, good_steps=3)
-    ids, _ = _run(SpeculativeDecoder(target, drafter), [1], max_new_tokens=200)
+    ids, _ = _run(SpeculativeDecoder(target, drafter, costs=MODEL), [1], max_new_tokens=200)
+    policy = ExpectedSpeedupDraftLength(MODEL, start=4, max_len=16)
+    expected = [4]
+    for step in range(1, 12):  # 3 fully accepted steps, then every first draft is wrong
+        policy.observe(expected[-1], expected[-1] if step <= 3 else 0)
+        expected.append(policy.k)
+    assert drafter.asked[:12] == expected
+    assert expected[:4] == [4, 5, 8, 10] and expected[-1] == 1
+    assert ids == _run(SpeculativeDecoder(target, None), [1], max_new_tokens=200)[0]
+
+
+def test_decoder_asks_for_the_heuristic_k():
+    target = BigramEngine.random(16, seed=0)
+    drafter = ScriptedDrafter(target, good_steps=3)
+    ids, _ = _run(SpeculativeDecoder(target, drafter), [1], max_new_tokens=200, draft_length="heuristic", max_draft_tokens=8)
     assert drafter.asked[:12] == [4, 6, 8, 8, 7, 6, 5, 4, 3, 2, 1, 1]
     assert ids == _run(SpeculativeDecoder(target, None), [1], max_new_tokens=200)[0]
 
@@ -149,9 +205,9 @@ def test_fixed_k_drafts_all_k_even_when_unsure():
 def test_confident_model_draft_grows_k_to_the_ceiling():
     target = _peaked(16, seed=0)
     draft_engine = _peaked(16, seed=0)
-    _, stats = _run(SpeculativeDecoder(target, ModelDrafter(draft_engine, 16)), [1], max_new_tokens=200)
+    _, stats = _run(SpeculativeDecoder(target, ModelDrafter(draft_engine, 16), costs=MODEL), [1], max_new_tokens=200)
     assert stats.acceptance_rate == 1.0
-    assert len(stats.drafted_at) == 8 and stats.drafted_at[7] >= stats.steps - 3
+    assert len(stats.drafted_at) == 16 and stats.drafted_at[15] >= stats.steps // 2  # at the ceiling, and stays
 
 
 @pytest.mark.parametrize("min_confidence", [0.0, 0.4, 0.9])
@@ -244,11 +300,21 @@ def test_adaptive_greedy_equivalence_on_tiny_onnx_engines(tiny_build, min_confid
         assert spec.stats.drafted > 0
 
 
-def test_a_self_draft_grows_k_to_the_ceiling_on_tiny_onnx_engines(tiny_self_build):
+def test_adaptive_k_uses_the_costs_measured_at_build_on_tiny_onnx_engines(tiny_self_build):
     from specpipe.deployment import load_deployment
 
     deployment = load_deployment(tiny_self_build, threads=1)
-    result = deployment.generator.generate("def add(a, b):", GenerationConfig(max_new_tokens=60, stop_on_eos=False,
-                                                                             min_draft_confidence=0.0))
-    assert result.stats.acceptance_rate == 1.0
-    assert len(result.stats.drafted_at) == 8  # 4 -> 6 -> 8
+    costs = StepCosts(**deployment.manifest["step_costs"])  # measured at build
+    assert deployment.costs == costs and 0.0 < costs.draft and 0.0 <= costs.verify_per_token
+    drafter = RecordingDrafter(deployment.drafter)
+    decoder = SpeculativeDecoder(deployment.target, drafter, deployment.generator.decoder.eos_token_ids, deployment.costs)
+    prompt = deployment.generator.encode("def add(a, b):")
+    cfg = deployment.generation_config(max_new_tokens=60, stop_on_eos=False, min_draft_confidence=0.0)
+    stats = SpecStats()
+    ids = [t for step in decoder.decode(prompt, cfg, stats) for t in step]
+    assert stats.acceptance_rate == 1.0 and len(ids) == 60  # a self-draft of the unquantized target agrees
+    # Every draft accepted: each K is the one the measured costs make best for the acceptance seen so far.
+    policy = ExpectedSpeedupDraftLength(costs, start=cfg.num_draft_tokens, max_len=cfg.max_draft_tokens)
+    for asked in drafter.lengths[:-2]:  # the last steps are cut to the tokens left to emit
+        assert asked == policy.k
+        policy.observe(asked, asked)

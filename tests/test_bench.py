@@ -57,6 +57,9 @@ def test_bench_json_has_every_field(engines, capsys, tmp_path):
         assert rows["hf assisted"]["acceptance_rate"] is None  # transformers does not report it
         assert len(prompt_set["per_prompt"]["K=1"]) == 2
         assert prompt_set["best"]["k"] in (1, 2)
+        ceiling = prompt_set["copy_ceiling"]
+        assert len(ceiling["per_prompt"]) == 2 and all(1.0 <= c <= 6 for c in ceiling["per_prompt"])
+        assert min(ceiling["per_prompt"]) <= ceiling["tokens_per_call_median"] <= max(ceiling["per_prompt"])
     limit = results["physical_limit"]
     assert limit["bandwidth_gb_s"] > 0.1 and limit["target_weight_bytes"] > 0
     assert limit["target_floor_ms_per_token"] > 0 and limit["target_measured_ms_per_token"] > 0

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from specpipe.config import GenerationConfig, NgramConfig, SamplingConfig
 from specpipe.spec.decoder import SpeculativeDecoder
-from specpipe.spec.ngram import NgramDrafter
+from specpipe.spec.ngram import NgramDrafter, copy_ceiling
 from specpipe.spec.stats import SpecStats
 from specpipe.spec.verify import Verdict
 from specpipe.testing.distribution import chi_square_p, first_two_tokens
@@ -21,6 +21,49 @@ RNG = np.random.default_rng(0)
 
 def propose(context, k=4, ngram_max=3, ngram_min=1):
     return NgramDrafter(ngram_max=ngram_max, ngram_min=ngram_min).new_request().propose(context, k, GREEDY, RNG)
+
+
+# ---- the copy ceiling (bench's bound for any prompt-lookup drafter) ----
+
+
+@pytest.mark.parametrize(
+    "prompt, output, expected",
+    [
+        ([5, 6, 7], [5, 6, 7, 9], 4.0),  # one call copies the prompt and adds 9
+        ([1, 2], [3, 4, 5], 1.0),  # nothing to copy: one token per call
+        ([1], [1, 1, 1, 1], 4.0),  # a copy may run into the text it is copying (a repetition)
+        ([1, 2, 3, 8, 4, 5], [4, 5, 9, 1, 2, 3], 3.0),  # [4, 5] +9, then [1, 2, 3] + end: 6 tokens, 2 calls
+    ],
+)
+def test_copy_ceiling_on_hand_written_sequences(prompt, output, expected):
+    assert copy_ceiling(prompt, output) == expected
+
+
+def _lookup_tokens_per_call(prompt, output, k, ngram_max):
+    """Tokens per target call of NgramDrafter when the target's greedy answer is `output`."""
+    session, context, calls = NgramDrafter(ngram_max=ngram_max).new_request(), list(prompt), 0
+    while len(context) < len(prompt) + len(output):
+        future = output[len(context) - len(prompt):]
+        draft = session.propose(context, k, GREEDY, RNG).tokens
+        accepted = next((i for i, (d, t) in enumerate(zip(draft, future)) if d != t), min(len(draft), len(future)))
+        context += future[: accepted + 1]
+        calls += 1
+    return len(output) / calls
+
+
+def test_no_lookup_drafter_beats_the_copy_ceiling():
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        prompt = list(rng.integers(0, 6, size=30))
+        # Answers that partly copy spans of the prompt, partly write new tokens.
+        output = []
+        while len(output) < 40:
+            start = int(rng.integers(0, 25))
+            output += prompt[start : start + int(rng.integers(1, 8))] + list(rng.integers(0, 6, size=int(rng.integers(0, 3))))
+        ceiling = copy_ceiling(prompt, output)
+        for k in (1, 4, 16):
+            for ngram_max in (1, 3):
+                assert _lookup_tokens_per_call(prompt, output, k, ngram_max) <= ceiling + 1e-9
 
 
 # ---- the proposer on hand-written sequences ----

@@ -38,6 +38,10 @@ def print_tables(results: dict, console=None) -> None:
                 "-" if row["matches_target"] is None else f"{row['matches_target']}/{row['prompts']}",
             )
         console.print(table)
+        ceiling = (s.get("copy_ceiling") or {}).get("tokens_per_call_median")
+        if ceiling is not None:
+            console.print(f"copy ceiling: the best possible prompt-lookup drafter emits {ceiling:.2f} tokens per target "
+                          f"call (median over prompts): its speedup bound with free verification")
     limit = results["physical_limit"]
     costs = results["step_costs_ms"]
     console.print(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -12,6 +13,7 @@ from specpipe.bench.limits import floor_ms_per_token, measure_bandwidth, step_ms
 from specpipe.bench.prompts import load_prompt_sets
 from specpipe.config import BenchConfig
 from specpipe.errors import UsageError
+from specpipe.spec.ngram import copy_ceiling
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
@@ -65,6 +67,7 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
             "prompts": len(prompts),
             "rows": table,
             "best": _best(table),
+            "copy_ceiling": _copy_ceiling(prompts, baseline),
             "per_prompt": {label: [measurement_dict(m) for m in runs] for label, runs in results.items()},
         })
 
@@ -91,6 +94,13 @@ def _best(table: list[dict]) -> Optional[dict]:
         return None
     row = max(fixed, key=lambda r: r["speedup"])
     return {"k": row["k"], "speedup": row["speedup"], "acceptance_rate": row["acceptance_rate"]}
+
+
+def _copy_ceiling(prompts: list, baseline: list) -> dict:
+    """Tokens per target call the best possible prompt-lookup drafter could reach on the target's own answers
+    (spec/ngram.py `copy_ceiling`): with free verification, an upper bound on any copying drafter's speedup."""
+    per_prompt = [copy_ceiling(ids, run.token_ids) for (_, ids), run in zip(prompts, baseline)]
+    return {"tokens_per_call_median": statistics.median(per_prompt) if per_prompt else None, "per_prompt": per_prompt}
 
 
 def _physical_limit(deployment, sets: list[dict]) -> dict:

@@ -8,9 +8,13 @@ stream lives (principal directions of its hidden states on sample text, or of it
 
     embedding' = E P,  W_in' = W_in diag(g) P  (q, k, v, gate, up),  W_out' = P^T W_out  (o, down),
 
-for evenly spaced target layers, with each RMSNorm's gain g folded into the weights it feeds. Training
-then starts from a compressed copy of the target rather than from noise (FINDINGS: copied layers beat
-random ones; narrow drafts need the projection to reuse them).
+for evenly spaced target layers, with each RMSNorm's gain g folded into the weights it feeds. At the
+default width (the target's) P is the identity and the draft starts as exact copies of target layers,
+which trains far better than random layers (measured: 0.43 vs 0.33 held-out agreement on code after 8
+minutes). A narrower P loses much: SmolLM2's residual stream has a few dimensions 100-1000x larger
+than the rest, which take the top principal directions, and a 256-wide projected copy agrees with the
+target only ~4% before training. The default keeps the width and makes the draft cheap instead by
+quantizing its engine (`build --draft-quant int8-wo`), which shrinks the 49152-way head 4x.
 """
 
 from __future__ import annotations

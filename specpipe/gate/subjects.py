@@ -107,7 +107,8 @@ class InProcessSubject(Subject):
         if isinstance(drafter, ModelDrafter):
             drafter = ModelDrafter(MemoEngine(drafter.engine), drafter.target_vocab_size)
         # Sampling runs the unchanged decoder on engines that remember logits by prefix (see memo.py).
-        self.sampler = SpeculativeDecoder(MemoEngine(deployment.target), drafter, deployment.generator.decoder.eos_token_ids)
+        self.sampler = SpeculativeDecoder(MemoEngine(deployment.target), drafter, deployment.generator.decoder.eos_token_ids,
+                                          deployment.costs)
 
     def _config(self, max_new_tokens: int, num_draft_tokens: int, **fields) -> GenerationConfig:
         if num_draft_tokens == 0:

@@ -1,20 +1,49 @@
 """How many tokens to draft each step: a fixed K, or a K that adapts to each request.
 
-Adaptive drafting (the default) combines the two rules the peers use:
-- K follows recent acceptance, as transformers' `num_assistant_tokens_schedule="heuristic"` does:
-  +2 after a step whose drafts were all accepted, -1 otherwise, kept within [1, max_draft_tokens].
-- A model draft stops early when it is unsure (transformers' `assistant_confidence_threshold`,
-  default 0.4; llama.cpp's `p_min`): see `ModelDraftSession`. That only needs `draft_confidence_floor`.
+Adaptive drafting (the default) picks, after every verification, the K that maximises the expected
+speedup of the next step (Leviathan et al. 2023, section 3.5: the improvement factor of Theorem 3.8),
 
-Neither rule looks at the target's distribution before verification, so the acceptance rule stays exact:
-they change how many tokens are drafted, never how a drafted token is accepted.
+    speedup(K) = (1 + a + a^2 + ... + a^K) / (1 + (c + b) K)
+
+    a: the per-token acceptance rate, estimated from this request's recent verifications;
+    c: the cost of one draft step relative to one target step (0 for prompt lookup);
+    b: the extra cost of each verified token relative to one target step (the paper takes b = 0, a
+       GPU verifying K tokens as fast as one; on a CPU a 5-token verification costs ~1.13 steps).
+
+c and b are measured on the built engines (`measure_step_costs`, stored in the manifest), so the same
+rule drafts long when drafts are free and usually right (prompt lookup while the answer copies its input)
+and short when the draft is costly or usually wrong. On top of that a model draft stops early when it is
+unsure (transformers' `assistant_confidence_threshold`, llama.cpp's `p_min`): see `ModelDraftSession`,
+which only needs `draft_confidence_floor`. transformers' schedule (+2 after a fully accepted draft, -1
+otherwise) remains available as `draft_length="heuristic"`.
+
+No rule looks at the target's distribution before verification, so the acceptance rule stays exact: they
+change how many tokens are drafted, never how a drafted token is accepted.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
 
 from specpipe.config import GenerationConfig
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Costs relative to one target decode step (see the module docstring for c and b)."""
+
+    draft: float  # c: one draft step / one target step
+    verify_per_token: float  # b: (target call on n+1 tokens - call on 1 token) / n / one target step
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# Used when a manifest carries no measurement (built before costs were recorded): values measured on a
+# 2-core CPU with ONNX Runtime (README, "Measured"); prompt lookup has no draft engine, so c = 0.
+DEFAULT_VERIFY_PER_TOKEN = 0.035
+DEFAULT_MODEL_DRAFT_COST = 0.12
 
 
 class DraftLengthPolicy(ABC):
@@ -36,7 +65,7 @@ class FixedDraftLength(DraftLengthPolicy):
 
 
 class AdaptiveDraftLength(DraftLengthPolicy):
-    """transformers' heuristic: grow K by 2 after a fully accepted draft, shrink it by 1 after a rejection.
+    """`draft_length="heuristic"`, transformers' schedule: grow K by 2 after a fully accepted draft, shrink it by 1 after a rejection.
 
     A step that drafted nothing (prompt lookup found no match) says nothing about K and leaves it alone.
     Example, start 4, max 8, (drafted, accepted): (4,4) -> 6, (6,6) -> 8, (8,8) -> 8, (8,3) -> 7, (0,0) -> 7.
@@ -58,13 +87,69 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             self.k = max(self.k - self.SHRINK, self.min_len)
 
 
-def draft_length_policy(cfg: GenerationConfig) -> DraftLengthPolicy:
+class ExpectedSpeedupDraftLength(DraftLengthPolicy):
+    """K = argmax over 1..max_len of speedup(K) (module docstring), re-chosen after each verification.
+
+    The acceptance rate a is estimated from discounted counts, so it follows a request that moves between
+    copying its input (a near 1) and writing new text: each verification of n drafts with m accepted adds
+    m successes out of m trials, plus one failed trial if a draft was rejected; older counts decay by
+    `decay` per step, and a Beta(1, 1) prior keeps a in (0, 1). Steps that drafted nothing (prompt lookup
+    without a match) carry no information and leave K alone.
+    Example, c = 0 (prompt lookup), b = 0.035, decay 0.7, max 16: accepting 4 of 4 and then 10 of 10 moves
+    the estimate to 0.83 and 0.93 and K from 4 to 10 and 16; a rejection of the first of 16 drops it to
+    0.83 and K to 10. With c = 0.12 (a model draft) the same sequence gives K 5, 10, 5.
+    """
+
+    def __init__(self, costs: StepCosts, start: int, max_len: int, decay: float = 0.7):
+        if not 1 <= start <= max_len:
+            raise ValueError(f"need 1 <= start {start} <= max_len {max_len}")
+        self.costs, self.max_len, self.decay = costs, max_len, decay
+        self.k, self.successes, self.trials = start, 0.0, 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return (self.successes + 1.0) / (self.trials + 2.0)
+
+    def observe(self, num_drafted: int, accepted_len: int) -> None:
+        if num_drafted == 0:
+            return
+        self.successes = self.decay * self.successes + accepted_len
+        self.trials = self.decay * self.trials + accepted_len + (accepted_len < num_drafted)
+        self.k = best_draft_length(self.acceptance, self.costs, self.max_len)
+
+
+def expected_speedup(k: int, acceptance: float, costs: StepCosts) -> float:
+    """Expected tokens per step over the step's cost, both relative to target-only decoding."""
+    tokens = sum(acceptance**i for i in range(k + 1))  # accepted drafts + the recovered or bonus token
+    return tokens / (1.0 + (costs.draft + costs.verify_per_token) * k)
+
+
+def best_draft_length(acceptance: float, costs: StepCosts, max_len: int) -> int:
+    return max(range(1, max_len + 1), key=lambda k: expected_speedup(k, acceptance, costs))
+
+
+def draft_length_policy(cfg: GenerationConfig, costs: StepCosts) -> DraftLengthPolicy:
     if cfg.draft_length == "fixed":
         return FixedDraftLength(cfg.num_draft_tokens)
-    return AdaptiveDraftLength(start=cfg.num_draft_tokens, max_len=cfg.max_draft_tokens)
+    if cfg.draft_length == "heuristic":
+        return AdaptiveDraftLength(start=cfg.num_draft_tokens, max_len=cfg.max_draft_tokens)
+    return ExpectedSpeedupDraftLength(costs, start=cfg.num_draft_tokens, max_len=cfg.max_draft_tokens)
+
+
+def measure_step_costs(target, draft=None, *, verify_tokens: int = 8) -> StepCosts:
+    """Time the engines alone on a 64-token cache (medians): a target call on 1 and on 1 + verify_tokens
+    tokens, and a draft step. Prompt lookup (no draft engine) costs nothing."""
+    from specpipe.bench.limits import step_ms
+
+    one = step_ms(target, 1)
+    many = step_ms(target, 1 + verify_tokens)
+    return StepCosts(
+        draft=step_ms(draft, 1) / one if draft is not None else 0.0,
+        verify_per_token=max(many - one, 0.0) / verify_tokens / one,
+    )
 
 
 def draft_confidence_floor(cfg: GenerationConfig) -> float:
     """The top draft probability under which a model draft stops early; 0 (never stop) when K is fixed,
     so a fixed K drafts exactly K tokens (benchmarks sweep K)."""
-    return cfg.min_draft_confidence if cfg.draft_length == "adaptive" else 0.0
+    return cfg.min_draft_confidence if cfg.draft_length != "fixed" else 0.0

@@ -14,7 +14,7 @@ import numpy as np
 
 from specpipe.config import GenerationConfig
 from specpipe.engines.base import Engine
-from specpipe.spec.adaptive import draft_length_policy
+from specpipe.spec.adaptive import StepCosts, draft_length_policy
 from specpipe.spec.drafters import Drafter, Proposal
 from specpipe.spec.sampling import shape_probs
 from specpipe.spec.stats import SpecStats
@@ -22,10 +22,12 @@ from specpipe.spec.verify import verify_greedy, verify_sampled
 
 
 class SpeculativeDecoder:
-    def __init__(self, target: Engine, drafter: Optional[Drafter], eos_token_ids: Sequence[int] = ()):
+    def __init__(self, target: Engine, drafter: Optional[Drafter], eos_token_ids: Sequence[int] = (),
+                 costs: Optional[StepCosts] = None):
         self.target = target
         self.drafter = drafter
         self.eos_token_ids = set(int(t) for t in eos_token_ids)
+        self.costs = costs or (drafter.default_costs() if drafter is not None else StepCosts(0.0, 0.0))
 
     def decode(self, prompt_ids: Sequence[int], cfg: GenerationConfig, stats: SpecStats) -> Iterator[list[int]]:
         """Yield the tokens emitted by each step (1..K+1 of them) until EOS or max_new_tokens."""
@@ -34,7 +36,7 @@ class SpeculativeDecoder:
         rng = np.random.default_rng(cfg.seed)
         target = self.target.new_sequence()
         draft = self.drafter.new_request(cfg) if (cfg.speculative and self.drafter is not None) else None
-        draft_len = draft_length_policy(cfg)  # fixed K, or K adapted to this request's acceptance
+        draft_len = draft_length_policy(cfg, self.costs)  # fixed K, or K adapted to this request
         context, produced = list(prompt_ids), 0
         while produced < cfg.max_new_tokens:
             room = min(cfg.max_new_tokens - produced, self.target.max_seq_len - len(context)) - 1

@@ -16,7 +16,7 @@ import numpy as np
 
 from specpipe.config import GenerationConfig, SamplingConfig
 from specpipe.engines.base import Engine
-from specpipe.spec.adaptive import draft_confidence_floor
+from specpipe.spec.adaptive import DEFAULT_MODEL_DRAFT_COST, DEFAULT_VERIFY_PER_TOKEN, StepCosts, draft_confidence_floor
 from specpipe.spec.sampling import sample, shape_probs
 
 
@@ -45,6 +45,10 @@ class Drafter(ABC):
     @abstractmethod
     def new_request(self, cfg: Optional[GenerationConfig] = None) -> DraftSession:
         """Per-request state; `cfg` is the request's config (None: defaults)."""
+
+    def default_costs(self) -> StepCosts:
+        """Costs adaptive K assumes when none were measured for the built engines (see adaptive.py)."""
+        return StepCosts(draft=DEFAULT_MODEL_DRAFT_COST, verify_per_token=DEFAULT_VERIFY_PER_TOKEN)
 
 
 class ModelDrafter(Drafter):

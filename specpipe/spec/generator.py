@@ -12,6 +12,7 @@ from typing import Iterator, Optional, Sequence
 from specpipe.config import GenerationConfig
 from specpipe.engines.base import Engine
 from specpipe.errors import UsageError
+from specpipe.spec.adaptive import StepCosts
 from specpipe.spec.decoder import SpeculativeDecoder
 from specpipe.spec.drafters import Drafter
 from specpipe.spec.stats import SpecStats
@@ -155,10 +156,11 @@ def _find_stop(text: str, stops: list[str], sent: int) -> Optional[int]:
 
 
 class SpecGenerator:
-    def __init__(self, target: Engine, drafter: Optional[Drafter], tokenizer, eos_token_ids: Sequence[int] = ()):
+    def __init__(self, target: Engine, drafter: Optional[Drafter], tokenizer, eos_token_ids: Sequence[int] = (),
+                 costs: Optional[StepCosts] = None):
         self.tokenizer = tokenizer
         eos = set(eos_token_ids) or ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-        self.decoder = SpeculativeDecoder(target, drafter, eos)
+        self.decoder = SpeculativeDecoder(target, drafter, eos, costs)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if not prompt:

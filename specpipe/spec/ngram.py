@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from specpipe.config import GenerationConfig, NgramConfig, SamplingConfig, field_default
+from specpipe.spec.adaptive import DEFAULT_VERIFY_PER_TOKEN, StepCosts
 from specpipe.spec.drafters import Drafter, DraftSession, Proposal
 
 
@@ -33,6 +34,9 @@ class NgramDrafter(Drafter):
 
     def new_request(self, cfg: Optional[GenerationConfig] = None) -> "NgramDraftSession":
         return NgramDraftSession(self.config.ngram_min, self.config.ngram_max)
+
+    def default_costs(self) -> StepCosts:
+        return StepCosts(draft=0.0, verify_per_token=DEFAULT_VERIFY_PER_TOKEN)
 
 
 class NgramDraftSession(DraftSession):
@@ -84,3 +88,25 @@ def _copy_from(context: list[int], start: int, k: int) -> list[int]:
         source = start + i
         draft.append(context[source] if source < len(context) else draft[source - len(context)])
     return draft
+
+
+def copy_ceiling(prompt: Sequence[int], output: Sequence[int]) -> float:
+    """Tokens per target call that the best possible copying drafter would reach on this output.
+
+    At every step an oracle drafts the longest prefix of the true continuation that occurs anywhere in the
+    context so far (prompt + output until then) as one contiguous span, verification accepts all of it and
+    adds one token. No prompt-lookup drafter, whatever its n-gram rule or K, emits more per target call, so
+    this bounds its speedup even if verification were free. Worked example: prompt [5, 6, 7], output
+    [5, 6, 7, 9]: step 1 copies [5, 6, 7] (+ 9) -> 4 tokens in 1 call -> 4.0.
+    """
+    full, pos, calls = list(prompt) + list(output), len(prompt), 0
+    while pos < len(full):
+        longest = 0
+        for start in range(pos):
+            length = 0
+            while pos + length < len(full) and full[start + length] == full[pos + length]:
+                length += 1
+            longest = max(longest, length)
+        pos += min(longest + 1, len(full) - pos)
+        calls += 1
+    return len(output) / calls if calls else 0.0

@@ -69,7 +69,7 @@ class ServedModel:
             return deployment.generator
         if end_id >= deployment.target.vocab_size:
             raise UsageError(f"end_id {end_id} is outside the vocabulary (size {deployment.target.vocab_size})")
-        return SpecGenerator(deployment.target, deployment.drafter, deployment.tokenizer, [end_id])
+        return SpecGenerator(deployment.target, deployment.drafter, deployment.tokenizer, [end_id], deployment.costs)
 
     def _generation_config(self, request: ServedRequest):
         fields = dict(request.config)
