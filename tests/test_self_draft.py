@@ -12,16 +12,9 @@ from specpipe.config import GenerationConfig
 from specpipe.deployment import load_deployment
 from specpipe.spec.drafters import ModelDrafter
 from specpipe.spec.ngram import NgramDrafter
+from tests.test_cli_core import run_cli
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(", "The quick brown fox. The quick brown"]
-
-
-def run_cli(capsys, *args) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return exc.value.code or 0, out, err
 
 
 def build_args(target, engines_dir, name, *extra):
