@@ -29,10 +29,11 @@ def propose(context, k=4, ngram_max=3, ngram_min=1):
 @pytest.mark.parametrize(
     "prompt, output, expected",
     [
-        ([5, 6, 7], [5, 6, 7, 9], 4.0),  # one call copies the prompt and adds 9
+        ([5, 6, 7], [5, 6, 7, 9], 2.0),  # 7 never occurred before: emit 5; after 5 copy [6, 7] and add 9
         ([1, 2], [3, 4, 5], 1.0),  # nothing to copy: one token per call
-        ([1], [1, 1, 1, 1], 4.0),  # a copy may run into the text it is copying (a repetition)
-        ([1, 2, 3, 8, 4, 5], [4, 5, 9, 1, 2, 3], 3.0),  # [4, 5] +9, then [1, 2, 3] + end: 6 tokens, 2 calls
+        ([1], [1, 1, 1, 1], 2.0),  # emit 1; then the copy runs into the text it is copying (a repetition)
+        # emit 8; after 8 copy [4, 5] + 9; after 9 copy [1, 2, 3]: 7 tokens in 3 calls
+        ([9, 1, 2, 3, 8, 4, 5], [8, 4, 5, 9, 1, 2, 3], 7 / 3),
     ],
 )
 def test_copy_ceiling_on_hand_written_sequences(prompt, output, expected):

@@ -91,18 +91,23 @@ def _copy_from(context: list[int], start: int, k: int) -> list[int]:
 
 
 def copy_ceiling(prompt: Sequence[int], output: Sequence[int]) -> float:
-    """Tokens per target call that the best possible copying drafter would reach on this output.
+    """Tokens per target call that the best possible prompt-lookup drafter would reach on this output.
 
-    At every step an oracle drafts the longest prefix of the true continuation that occurs anywhere in the
-    context so far (prompt + output until then) as one contiguous span, verification accepts all of it and
-    adds one token. No prompt-lookup drafter, whatever its n-gram rule or K, emits more per target call, so
-    this bounds its speedup even if verification were free. Worked example: prompt [5, 6, 7], output
-    [5, 6, 7, 9]: step 1 copies [5, 6, 7] (+ 9) -> 4 tokens in 1 call -> 4.0.
+    Prompt lookup copies what followed an earlier occurrence of the context's last token(s). At every step
+    an oracle drafts, among all spans that follow an earlier occurrence of the context's last token, the
+    one agreeing longest with the true continuation; verification accepts that much and adds one token.
+    No drafter that matches n >= 1 last tokens, whatever its n-gram rule or K, emits more per target call
+    (and jumping farthest each step is optimal: how far a step can reach never decreases along the output),
+    so this bounds its speedup even if verification were free.
+    Worked example: prompt [5, 6, 7], output [5, 6, 7, 9]: 7 never occurred before, so step 1 emits 5;
+    then 5 occurred at 0 and [6, 7] follows it: step 2 copies [6, 7] and adds 9 -> 4 tokens in 2 calls.
     """
     full, pos, calls = list(prompt) + list(output), len(prompt), 0
     while pos < len(full):
         longest = 0
-        for start in range(pos):
+        for start in range(1, pos):
+            if full[start - 1] != full[pos - 1]:
+                continue
             length = 0
             while pos + length < len(full) and full[start + length] == full[pos + length]:
                 length += 1
