@@ -77,15 +77,17 @@ class SpecRow:
         )
 
 
-def spec_rows(generator: SpecGenerator, draft_lengths: list[int], adaptive: bool, label_prefix: str = "") -> list[SpecRow]:
-    """Target-only, fixed K for each K, and the adaptive default, all on one generator."""
+def spec_rows(generator: SpecGenerator, draft_lengths: list[int], adaptive: bool, label_prefix: str = "",
+              make_config: Callable[..., GenerationConfig] = GenerationConfig) -> list[SpecRow]:
+    """Target-only, fixed K for each K, and the adaptive default, all on one generator. `make_config` is the
+    deployment's `generation_config`, so the adaptive row keeps K within the build's max_draft_len as served."""
     greedy = dict(stop_on_eos=True)
-    rows = [SpecRow(label_prefix + BASELINE, generator, GenerationConfig(speculative=False, **greedy), "target-only", None)]
+    rows = [SpecRow(label_prefix + BASELINE, generator, make_config(speculative=False, **greedy), "target-only", None)]
     for k in draft_lengths:
-        cfg = GenerationConfig(num_draft_tokens=k, draft_length="fixed", **greedy)
+        cfg = make_config(num_draft_tokens=k, draft_length="fixed", **greedy)
         rows.append(SpecRow(f"{label_prefix}K={k}", generator, cfg, "speculative", k))
     if adaptive:
-        cfg = GenerationConfig(draft_length="adaptive", **greedy)
+        cfg = make_config(draft_length="adaptive", **greedy)
         rows.append(SpecRow(f"{label_prefix}adaptive", generator, cfg, "speculative", None))
     return rows
 

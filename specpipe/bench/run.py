@@ -35,8 +35,8 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
         raise UsageError(f"-k {too_long}: this deployment was built for K <= {deployment.max_draft_len}")
 
     generator = deployment.generator
-    rows = spec_rows(generator, cfg.draft_lengths, cfg.adaptive and deployment.drafter is not None) \
-        if deployment.drafter is not None else spec_rows(generator, [], False)
+    rows = spec_rows(generator, cfg.draft_lengths if deployment.drafter is not None else [],
+                     cfg.adaptive and deployment.drafter is not None, make_config=deployment.generation_config)
     peer_note = None
     if cfg.peer:
         from specpipe.bench.peer import peer_rows
