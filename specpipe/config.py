@@ -41,7 +41,7 @@ class GenerationConfig(Strict):
     )
     max_draft_tokens: int = Field(16, ge=1, description="adaptive K's ceiling (also capped by the build's max_draft_len)")
     min_draft_confidence: float = Field(
-        0.4, ge=0.0, le=1.0, description="adaptive: stop drafting after a token whose top draft probability is below this"
+        0.4, ge=0.0, le=1.0, description="adaptive and heuristic: stop drafting after a token whose top draft probability is below this"
     )
     speculative: bool = True
     stop: list[str] = Field(default_factory=list, description="stop strings (checked on decoded text)")

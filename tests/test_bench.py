@@ -64,6 +64,7 @@ def test_bench_json_has_every_field(engines, capsys, tmp_path):
     assert limit["bandwidth_gb_s"] > 0.1 and limit["target_weight_bytes"] > 0
     assert limit["target_floor_ms_per_token"] > 0 and limit["target_measured_ms_per_token"] > 0
     assert results["step_costs_ms"]["draft_decode"] > 0
+    assert results["adaptive_costs"] == json.loads((pair / "manifest.json").read_text())["step_costs"]
 
 
 def test_self_draft_is_always_accepted(engines, capsys):

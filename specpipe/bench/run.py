@@ -81,6 +81,7 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
                     "threads": cfg.threads},
         "physical_limit": _physical_limit(deployment, sets),
         "step_costs_ms": _step_costs(deployment),
+        "adaptive_costs": deployment.costs.as_dict(),  # what adaptive K assumed: the build's measurement
         "peer_note": peer_note,
         "sets": sets,
         "wall_s": time.perf_counter() - started,
