@@ -59,6 +59,7 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         draft = resolve_checkpoint(cfg.draft, allow_pickle=cfg.allow_pickle)
         say("checking the pair is compatible")
         check_pair(target.path, draft.path)
+    draft_vocab = _draft_vocab(cfg, target, draft)
 
     Path(cfg.engines_dir).mkdir(parents=True, exist_ok=True)
     with _staging(final) as stage:
@@ -70,12 +71,13 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
             draft_entry = {"kind": "ngram", "source": "ngram", "ngram": cfg.ngram.model_dump()}
         elif cfg.draft_kind == "self":
             draft_entry = _build_self_draft(stage, cfg, tokenizer, say, timings, target_entry)
-        elif draft.weights_sha256 == target.weights_sha256 and cfg.draft_quant == cfg.quant:
+        elif draft.weights_sha256 == target.weights_sha256 and cfg.draft_quant == cfg.quant and draft_vocab is None:
             say("draft is the target: reusing its engine")
             shutil.copytree(stage / "target", stage / "draft", copy_function=_link_or_copy)
             draft_entry = {**target_entry, "source": draft.source, "engine": {**target_entry["engine"], "path": "draft"}}
         else:
-            draft_entry = _build_engine(draft, stage / "draft", cfg, cfg.draft_quant, tokenizer, say, timings, "draft")
+            draft_entry = _build_engine(draft, stage / "draft", cfg, cfg.draft_quant, tokenizer, say, timings, "draft",
+                                        draft_vocab)
         say("timing the engines for adaptive K")
         costs = _measure_step_costs(stage, cfg, has_draft_engine=cfg.draft_kind != "ngram")
         timings["total_s"] = time.perf_counter() - started
@@ -106,8 +108,21 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     return final
 
 
-def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progress, timings: dict, role: str) -> dict:
-    """Export one checkpoint, optimize it for ONNX Runtime, check it against torch, then quantize it.
+def _draft_vocab(cfg: BuildConfig, target, draft) -> Optional[dict]:
+    """The draft head's columns (checkpoint/draft_vocab.py), chosen before any expensive step."""
+    if draft is None:
+        return None
+    from specpipe.checkpoint import inspect_checkpoint
+    from specpipe.checkpoint.draft_vocab import choose_token_ids
+
+    eos = inspect_checkpoint(target.path).eos_token_ids
+    return choose_token_ids(draft.path, cfg.draft_vocab, inspect_checkpoint(draft.path).vocab_size, always=eos)
+
+
+def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progress, timings: dict, role: str,
+                  vocab: Optional[dict] = None) -> dict:
+    """Export one checkpoint, optimize it for ONNX Runtime, slice its head to `vocab` (a draft), check it
+    against torch, then quantize it.
 
     A quantized engine keeps its unquantized reference beside it (<role>-fp32) so `validate --remeasure`
     can measure its accuracy again; the manifest records the accuracy numbers and the budget."""
@@ -121,9 +136,10 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         timings[f"{role}_export_s"] = time.perf_counter() - t0
         say(f"optimizing the {role} graph for ONNX Runtime")
         optimize_for_cpu(Path(raw) / "model.onnx", out, threads=cfg.threads)
+    sliced = {} if vocab is None else {"vocab_size": vocab["size"], "token_ids": vocab["token_ids"].tolist()}
     write_engine_meta(
         out,
-        vocab_size=info.vocab_size,
+        **{"vocab_size": info.vocab_size, **sliced},
         num_layers=info.num_layers,
         num_kv_heads=info.num_kv_heads,
         head_dim=info.head_dim,
@@ -131,6 +147,16 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         quant="none",
         ort_optimized=True,
     )
+    if vocab is not None:
+        from specpipe.quantize.graph import load_model, model_files, save_model, slice_lm_head
+
+        say(f"slicing the {role} head to its {vocab['size']} most used tokens")
+        model = load_model(out)
+        slice_lm_head(model, vocab["token_ids"])
+        for path in model_files(out):
+            path.unlink()
+        save_model(model, out)
+        del model
     t1 = time.perf_counter()
     say(f"checking the {role} engine against torch")
     max_abs_diff = check_export(
@@ -148,6 +174,8 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         "engine": {"path": out.name, "backend": "onnxruntime", "quant": qcfg.mode, "files": {}},
         "export_check": {"max_abs_diff": max_abs_diff, "tolerance": cfg.export_tolerance},
     }
+    if vocab is not None:
+        entry["vocab"] = {k: v for k, v in vocab.items() if k != "token_ids"}
     if qcfg.mode != "none":
         from specpipe.quantize import quantize_engine
 

@@ -66,6 +66,12 @@ class BuildConfig(Strict):
     engines_dir: Path = Path("engines")
     repo_dir: Optional[Path] = Field(Path("triton_repo"), description="Triton model repository to write; None = none")
     max_draft_len: int = Field(8, ge=1, le=64, description="largest K the engines are built for")
+    draft_vocab: Optional[int] = Field(
+        None, ge=0,
+        description="tokens the draft's head scores: the N most frequent in its training data (FR-Spec); "
+        "0 = the whole vocabulary; default 8192 when the draft ranks its tokens (specpipe distill writes "
+        "draft-vocab.json), else the whole vocabulary",
+    )
     triton_instances: int = Field(1, ge=1, description="Triton model instances: requests served in parallel")
     force: bool = False
     allow_pickle: bool = False

@@ -75,10 +75,13 @@ def distill_draft(demo: Demo) -> str:
     """The draft lives in the cache under a key of the target's weights and the distillation settings."""
     from specpipe.checkpoint import cache_dir
     from specpipe.distill import RichDistillProgress, distill
+    from specpipe.distill.prompts import training_prompts
     from specpipe.distill.run import RECORD, STATE_DIR
 
     settings = demo_distill_config(Path("-")).model_dump(mode="json", exclude={"out"})
-    key = hashlib.sha256(json.dumps([demo.target.weights_sha256, settings], sort_keys=True).encode()).hexdigest()[:12]
+    prompts = training_prompts(settings["seed"])  # new training prompts make a new draft
+    material = json.dumps([demo.target.weights_sha256, settings, prompts], sort_keys=True)
+    key = hashlib.sha256(material.encode()).hexdigest()[:12]
     out = cache_dir() / "drafts" / f"{TARGET}-{key}"
     if not (out / RECORD).is_file():
         progress = RichDistillProgress(demo.console)

@@ -66,6 +66,11 @@ def test_distill_writes_a_checkpoint_that_shares_the_tokenizer(distilled, tiny_t
     assert record["data"]["answer_tokens"] > 0
     assert 0 < record["draft"]["weights_read_per_token_vs_target"] < 1
 
+    from specpipe.checkpoint.draft_vocab import read_ranking
+
+    ranking = read_ranking(out)  # the answers' tokens, most used first: `build` slices the head to them
+    assert ranking["tokens"] >= record["data"]["answer_tokens"] and ranking["counts"] == sorted(ranking["counts"], reverse=True)
+
 
 def test_distilled_draft_builds_and_decodes_like_the_target(distilled, tiny_target, tmp_path):
     from specpipe.build import build
@@ -263,3 +268,15 @@ def test_training_prompts_are_disjoint_from_the_benchmark():
     assert not bench & {p["prompt"].strip().lower() for p in train}
     assert {p["kind"] for p in train[:40]} == {"code", "chat"}
     assert training_prompts(0) == training_prompts(0) and training_prompts(0) != training_prompts(1)
+
+
+def test_stdlib_tasks_read_as_coding_requests():
+    from specpipe.distill.prompts import _DOC_VERBS, _third_person, code_prompts, stdlib_tasks
+
+    tasks = stdlib_tasks()
+    assert len(tasks) > 300 and len(set(tasks)) == len(tasks) and list(tasks) == sorted(tasks)
+    verbs = {_third_person(v.lower()) for v in _DOC_VERBS}
+    assert all(t.split()[0] in verbs and not t.endswith(".") and "`" not in t for t in tasks)
+    assert "returns the square root of the sample variance" in tasks  # statistics.stdev's docstring
+    prompts = [p for _, p in code_prompts()]
+    assert all(sum(t + "." in p or t + "?" in p or t + "," in p for p in prompts) >= 2 for t in tasks[::50])

@@ -50,6 +50,7 @@ _QUANT_MODES = click.Choice(["none", "int8-wo", "int4-wo", "int8", "fp8"])
               help=field_help(BuildConfig, "triton_instances"))
 @click.option("--max-draft-len", type=int, default=field_default(BuildConfig, "max_draft_len"), show_default=True,
               help=field_help(BuildConfig, "max_draft_len"))
+@click.option("--draft-vocab", type=int, default=None, metavar="N", help=field_help(BuildConfig, "draft_vocab"))
 @click.option("--threads", type=int, default=field_default(BuildConfig, "threads"), show_default=True,
               help=field_help(BuildConfig, "threads"))
 @click.option("--export-tolerance", type=float, default=field_default(BuildConfig, "export_tolerance"), show_default=True,
@@ -88,6 +89,9 @@ def build(as_json: bool, no_repo: bool, **options) -> None:
         click.echo(f"  target {t['source']}: max |logit diff| vs torch {t['export_check']['max_abs_diff']:.2e}")
         if "export_check" in d:
             click.echo(f"  draft  {d['source']}: max |logit diff| vs torch {d['export_check']['max_abs_diff']:.2e}")
+            if "vocab" in d:
+                click.echo(f"  draft  head scores its {d['vocab']['size']} most used tokens "
+                           f"({d['vocab']['coverage']:.1%} of its training tokens)")
         elif d["kind"] == "self":
             click.echo(f"  draft  {d['source']}: top-1 agreement with the target "
                        f"{d['quant']['accuracy']['top1_agreement']:.3f}")

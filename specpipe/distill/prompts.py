@@ -8,6 +8,7 @@ topics, several phrasings each. They are written to stay disjoint from the bench
 
 from __future__ import annotations
 
+import functools
 import random
 
 _CODE_PHRASINGS = [
@@ -109,7 +110,8 @@ _OTHER_CODE = {
         "reverses a string", "returns the largest number in an array", "capitalizes every word of a sentence",
         "counts the vowels in a string", "checks if a string is a palindrome", "flattens a nested array",
         "returns the sum of an array of numbers", "debounces another function", "deep clones an object",
-        "sorts an array of objects by a property", "fetches JSON from a URL and logs it", "chunks an array into groups of n",
+        "sorts an array of objects by a property", "fetches JSON from a URL and logs it",
+        "chunks an array into groups of n",
         "checks whether a number is prime", "converts a string to camelCase", "returns the intersection of two arrays",
         "formats a date as YYYY-MM-DD", "shuffles an array", "counts the occurrences of each element in an array",
     ],
@@ -119,41 +121,71 @@ _OTHER_CODE = {
         "joins the customers and orders tables and shows each customer's total spending",
         "deletes duplicate rows from a table", "finds the department with the most employees",
         "lists the five most recent orders", "returns the average price per category", "finds customers with no orders",
-        "updates the price of every product in a category by ten percent", "shows the number of users who signed up each day",
+        "updates the price of every product in a category by ten percent",
+        "shows the number of users who signed up each day",
         "creates a table for storing blog posts", "finds all the employees who report to a given manager",
     ],
     "Write a bash script that {task}.": [
         "counts the lines in every .py file in a folder", "backs up a directory into a dated tar.gz archive",
-        "renames all .jpeg files to .jpg", "checks whether a website is reachable", "prints the disk usage of each folder",
+        "renames all .jpeg files to .jpg", "checks whether a website is reachable",
+        "prints the disk usage of each folder",
         "deletes log files older than seven days", "loops over the lines of a file and prints them numbered",
         "finds the ten most frequent words in a text file", "monitors the memory usage every five seconds",
         "creates a folder for every name listed in a file",
     ],
     "Write a C function that {task}.": [
-        "reverses a string in place", "returns the length of a string without strlen", "swaps two integers with pointers",
+        "reverses a string in place", "returns the length of a string without strlen",
+        "swaps two integers with pointers",
         "finds the maximum value in an array", "counts the words in a string",
     ],
     "Write a Java method that {task}.": [
-        "checks if a string is a palindrome", "returns the factorial of a number", "finds the largest element of an array",
+        "checks if a string is a palindrome", "returns the factorial of a number",
+        "finds the largest element of an array",
         "reverses a linked list", "counts the vowels in a string",
     ],
 }
 
-_CHAT_TEMPLATES = {
-    "Explain {x} in simple terms.": "concepts",
-    "What is {x}? Keep it short.": "concepts",
-    "What are the main differences between {x}?": "pairs",
-    "Give me {n} tips for {x}.": "activities",
-    "How does {x} work?": "mechanisms",
-    "Why {x}?": "whys",
-    "Write a short poem about {x}.": "poems",
-    "Describe {x} for a twelve-year-old.": "processes",
-    "List {n} {x}.": "lists",
-    "What should I know before {x}?": "plans",
-}
+# (template, topic table): every table is used by several phrasings, as real users ask the same thing
+# many ways; the draft learns the target's answer style rather than one template's.
+_CHAT_TEMPLATES = [
+    ("Explain {x} in simple terms.", "concepts"),
+    ("What is {x}? Keep it short.", "concepts"),
+    ("Explain {x} in {n} sentences.", "concepts"),
+    ("Summarize what {x} is for a ten-year-old.", "concepts"),
+    ("Why does {x} matter?", "concepts"),
+    ("What are the main differences between {x}?", "pairs"),
+    ("Compare {x} in a few sentences.", "pairs"),
+    ("Give me {n} tips for {x}.", "activities"),
+    ("What are common mistakes people make when {x}?", "activities"),
+    ("How can a beginner get better at {x}?", "activities"),
+    ("How does {x} work?", "mechanisms"),
+    ("Explain how {x} works, briefly.", "mechanisms"),
+    ("What are the main parts of {x}?", "mechanisms"),
+    ("Why {x}?", "whys"),
+    ("Why {x}? Answer briefly.", "whys"),
+    ("Write a short poem about {x}.", "poems"),
+    ("Write a haiku about {x}.", "poems"),
+    ("Describe {x} for a twelve-year-old.", "processes"),
+    ("Explain {x}, step by step.", "processes"),
+    ("List {n} {x}.", "lists"),
+    ("Give me a list of {n} {x}, with one sentence each.", "lists"),
+    ("What should I know before {x}?", "plans"),
+    ("Make a short checklist for {x}.", "plans"),
+]
 
 _CHAT_TOPICS = {
     "concepts": [
+        "a hash function", "a firewall", "an algorithm", "a spreadsheet", "the water table", "a food chain",
+        "an ecosystem", "a galaxy", "gross domestic product", "interest rates", "a mortgage", "an index fund",
+        "the law of supply", "a cell membrane", "an atom", "a chemical reaction", "friction", "momentum",
+        "a light year", "the speed of sound", "a hurricane", "a tsunami", "the ozone layer", "a carbon footprint",
+        "a virus in computing", "a cache", "a web browser", "a programming language", "a variable in programming",
+        "a for loop", "a server", "an IP address", "bandwidth", "latency", "a password manager",
+        "two-factor authentication", "the Roman Empire", "the French Revolution", "the printing press",
+        "a constitution", "human rights", "mindfulness", "a habit", "procrastination", "critical thinking",
+        "a hypothesis", "statistics", "an average", "a fraction", "a percentage", "geometry", "an equation",
+        "a calorie", "protein", "a balanced diet", "sleep cycles", "stress", "an allergy", "antibiotics", "a gene",
+        "a fossil", "a glacier", "erosion",
         "photosynthesis", "gravity", "inflation", "a black hole", "machine learning", "a neural network", "recursion",
         "democracy", "the stock market", "climate change", "evolution", "DNA", "the immune system", "electricity",
         "an API", "a database index", "object-oriented programming", "the internet", "blockchain", "compound interest",
@@ -165,6 +197,14 @@ _CHAT_TOPICS = {
         "a credit score", "the Renaissance", "the Industrial Revolution", "a metaphor",
     ],
     "pairs": [
+        "a laptop and a tablet", "renting and buying a home", "a debit card and a credit card", "weather and climate",
+        "a crocodile and an alligator", "stocks and bonds", "Python and Java", "RAM and storage", "HTTP and HTTPS",
+        "a list and a tuple in Python", "SQL and NoSQL databases", "frogs and toads", "baking and roasting",
+        "a lake and a pond", "an apple and an orange", "a novel and a short story", "a republic and a monarchy",
+        "a planet and a star", "a CPU and a GPU", "Wi-Fi and Bluetooth", "speed and velocity", "mass and weight",
+        "a hurricane and a tornado", "butter and margarine", "coffee and tea", "running and walking",
+        "a city and a town", "a loan and a grant", "email and instant messaging", "an app and a website",
+        "Linux and Windows", "git and GitHub",
         "Python and JavaScript", "a list and a tuple in Python", "weather and climate", "stocks and bonds",
         "HTTP and HTTPS", "RAM and a hard drive", "a compiler and an interpreter", "mitosis and meiosis",
         "speed and velocity", "a crocodile and an alligator", "SQL and NoSQL databases", "a process and a thread",
@@ -174,6 +214,11 @@ _CHAT_TOPICS = {
         "machine learning and deep learning", "a comet and an asteroid",
     ],
     "activities": [
+        "studying for an exam", "public speaking", "saving money", "sleeping better", "learning a new language",
+        "taking better photos", "writing a resume", "staying focused", "cooking pasta", "caring for houseplants",
+        "running a meeting", "managing time", "learning math", "writing an essay", "painting a room", "baking bread",
+        "staying safe online", "keeping a small garden", "teaching a child to read", "preparing for a job interview",
+        "riding a bike in a city", "making new habits", "cleaning a laptop", "writing unit tests", "reading code",
         "learning a new language", "staying focused while studying", "saving money", "sleeping better",
         "public speaking", "writing clean code", "starting to run", "keeping a houseplant alive",
         "preparing for a job interview", "managing stress", "taking better photos with a phone",
@@ -183,6 +228,10 @@ _CHAT_TOPICS = {
         "keeping a journal", "learning to code", "reducing screen time", "writing a cover letter",
     ],
     "mechanisms": [
+        "a smartphone", "a toaster", "a refrigerator", "a vacuum cleaner", "an electric car", "a jet engine",
+        "a lock and key", "a clock", "a dishwasher", "a traffic light", "an air conditioner", "a hot air balloon",
+        "a telescope", "a submarine", "a wind turbine", "the lungs", "the kidneys", "a keyboard", "a printer",
+        "a speaker", "a microphone", "a barcode scanner", "a QR code", "a password hash", "a spam filter",
         "a microwave oven", "a car engine", "a vaccine", "GPS", "the human heart", "a solar panel", "a search engine",
         "a rainbow", "an airplane wing", "a battery", "Wi-Fi", "the stock exchange", "a thermostat", "a camera",
         "a touchscreen", "digestion", "a bicycle gear", "the electoral college", "a credit card payment",
@@ -190,19 +239,33 @@ _CHAT_TOPICS = {
         "a compass", "email", "a hybrid car", "photosynthesis in a leaf", "memory in the brain", "a washing machine",
     ],
     "whys": [
+        "do we have fingerprints", "is the sea blue", "do we hiccup", "do dogs wag their tails",
+        "does metal feel cold", "do we need vitamins", "does the wind blow", "do volcanoes erupt", "do we sneeze",
+        "is sleep important for children", "do apples turn brown", "does bread rise", "do some people snore",
+        "is reading good for you", "do computers need cooling", "do we age", "do bubbles pop", "is water wet",
+        "do cars need oil", "do bridges have expansion joints",
         "do leaves change color in the fall", "do we need to sleep", "is the ocean salty", "do cats purr",
-        "do we have seasons", "do onions make people cry", "is exercise good for the brain", "do planes leave white trails",
+        "do we have seasons", "do onions make people cry", "is exercise good for the brain",
+        "do planes leave white trails",
         "do stars twinkle", "is biodiversity important", "do we get goosebumps", "does ice float on water",
         "do birds migrate", "is the Dead Sea so salty", "do people yawn", "does bread go stale",
         "is it important to back up your files", "do programmers use version control", "does the moon have phases",
         "do we dream",
     ],
     "poems": [
+        "a rainy morning", "a forgotten key", "the city at dawn", "a red balloon", "an old oak tree", "a river",
+        "a bicycle ride", "the desert", "a snowy owl", "a birthday", "a quiet evening", "a thunderstorm",
+        "the first day of school", "a busy market", "an empty beach",
         "the ocean at night", "a cup of coffee", "the first snow of winter", "a city in the rain", "an old friend",
         "the stars", "a lighthouse", "spring flowers", "a sleepy cat", "the mountains", "a summer storm",
         "learning to code", "a train journey", "the moon", "a garden", "the sea breeze", "a quiet library",
     ],
     "processes": [
+        "how bread is made", "how paper is recycled", "how a bill becomes a law in Canada",
+        "how a baby bird learns to fly", "how snow forms", "how a seed becomes a tree", "how glass is made",
+        "how chocolate is made", "how a letter travels through the mail", "how a star is born", "how wounds heal",
+        "how a mountain forms", "how cheese is made", "how a web page loads", "how water gets to a tap",
+        "how an election works",
         "how plants grow from seeds", "how the heart pumps blood", "how a volcano erupts", "how bees make honey",
         "how a rainbow forms", "how the internet sends a message", "how the moon affects the tides",
         "how a caterpillar becomes a butterfly", "how money is printed", "how an earthquake happens",
@@ -210,14 +273,23 @@ _CHAT_TOPICS = {
         "how the digestive system works", "how electricity gets to a house", "how a bridge stays up",
     ],
     "lists": [
+        "ways to relax after work", "fruits that are high in vitamin C", "tips for a long flight",
+        "classic novels worth reading", "ways to make a small room look bigger", "skills every programmer needs",
+        "healthy snacks for kids", "ways to stay warm in winter", "inventions that changed the world",
+        "ways to practice gratitude", "animals that live in the desert", "things to check before a road trip",
+        "habits of good students", "ways to learn from mistakes", "indoor exercises", "questions for a first meeting",
         "ideas for a rainy day", "benefits of regular exercise", "ways to reduce plastic waste",
         "good habits for programmers", "easy dinner recipes", "fun facts about space", "ways to be more productive",
         "common mistakes in job interviews", "board games for families", "things to do in a new city",
-        "ways to learn Python faster", "signs of dehydration", "uses of baking soda", "famous scientists and their discoveries",
+        "ways to learn Python faster", "signs of dehydration", "uses of baking soda",
+        "famous scientists and their discoveries",
         "ways to save energy at home", "questions to ask a doctor", "reasons to learn history", "low-cost hobbies",
         "features of a good password", "ways to improve your handwriting",
     ],
     "plans": [
+        "learning to drive", "starting university", "getting a cat", "painting my house", "starting a blog",
+        "going on a first job interview", "taking a gap year", "planting a tree", "buying a bicycle",
+        "learning to cook", "starting to meditate", "hosting a dinner party",
         "adopting a dog", "starting a vegetable garden", "buying a used car", "moving to another country",
         "running a marathon", "starting a small business", "learning to swim as an adult", "going camping",
         "buying my first laptop", "starting a podcast", "renting an apartment", "traveling to Japan",
@@ -232,13 +304,59 @@ def code_prompts() -> list[tuple[str, str]]:
     pairs = [(t, p.format(task=t)) for p in _CODE_PHRASINGS for t in PYTHON_TASKS]
     pairs += [(n, p.format(name=n, methods=m)) for p in _CLASS_PHRASINGS for n, m in PYTHON_CLASSES]
     pairs += [(p + t, p.format(task=t)) for p, tasks in _OTHER_CODE.items() for t in tasks]
+    pairs += [(t, p.format(task=t)) for i, t in enumerate(stdlib_tasks()) for p in _CODE_PHRASINGS[i % 2 :: 2]]
     return pairs
+
+
+_DOC_VERBS = ("Return", "Convert", "Compute", "Calculate", "Check", "Find", "Split", "Remove", "Create", "Make",
+              "Read", "Write", "Parse", "Format", "Encode", "Decode", "Count", "Join", "Replace", "Normalize",
+              "Strip", "Escape", "Quote", "Generate", "Build", "Sort", "Merge", "Validate", "Extract")
+_DOC_SKIP = {"test", "idlelib", "tkinter", "lib2to3", "turtledemo", "ensurepip", "site-packages", "dist-packages"}
+
+
+@functools.lru_cache(maxsize=4)
+def stdlib_tasks(limit: int = 1500) -> tuple[str, ...]:
+    """Coding tasks read off the installed standard library: public functions and methods whose docstring
+    starts "Return ...", "Convert ..." and so on become "returns ...", "converts ...".
+
+    Offline, always present, and far wider than any hand-written table (about a thousand tasks on 3.11).
+    Sorted, so the list only changes with the Python version (the teacher cache is keyed by the prompts).
+    """
+    import ast
+    import re
+    import sys
+    from pathlib import Path
+
+    stdlib = Path(sys.modules["os"].__file__).parent
+    pattern = re.compile(rf"^({'|'.join(_DOC_VERBS)})s? ([A-Za-z][^`{{}}<>]{{12,110}})\.$")
+    tasks = set()
+    for path in sorted(stdlib.rglob("*.py")):
+        if _DOC_SKIP & set(path.relative_to(stdlib).parts[:-1]) or path.name.startswith("test"):
+            continue
+        try:
+            tree = ast.parse(path.read_text(errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = (ast.get_docstring(node) or "").strip().split("\n")[0].strip()
+            match = pattern.match(doc)
+            if match:
+                tasks.add(f"{_third_person(match.group(1).lower())} {match.group(2)}")
+    return tuple(sorted(tasks)[:limit])
+
+
+def _third_person(verb: str) -> str:
+    if verb.endswith("y"):
+        return verb[:-1] + "ies"
+    return verb + ("es" if verb.endswith(("ch", "sh", "s", "x")) else "s")
 
 
 def chat_prompts() -> list[tuple[str, str]]:
     """(topic, prompt) pairs of chat requests."""
     pairs = []
-    for i, (template, topic) in enumerate(_CHAT_TEMPLATES.items()):
+    for i, (template, topic) in enumerate(_CHAT_TEMPLATES):
         for j, x in enumerate(_CHAT_TOPICS[topic]):
             pairs.append((x, template.format(x=x, n=_COUNTS[(i + j) % len(_COUNTS)])))
     return pairs

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -69,13 +69,29 @@ class EngineSequence(ABC):
 
 
 class Engine(ABC):
-    """A loaded model. `vocab_size` is the width of its logits."""
+    """A loaded model. `vocab_size` is the width of its logits.
+
+    `token_ids`: when set, logit column j scores token `token_ids[j]` (a draft whose head covers only
+    the tokens its training data uses, see `draft_vocab`); None: column j is token j.
+    """
 
     vocab_size: int
     max_seq_len: int
+    token_ids: Optional[np.ndarray] = None
 
     @abstractmethod
     def new_sequence(self) -> EngineSequence: ...
+
+
+def meta_token_ids(meta: dict) -> Optional[np.ndarray]:
+    """engine.json's `token_ids` (the tokens a sliced head scores, in column order), or None."""
+    ids = meta.get("token_ids")
+    if ids is None:
+        return None
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.ndim != 1 or len(ids) != int(meta["vocab_size"]):
+        raise EngineError(f"engine.json lists {ids.size} token_ids for {meta['vocab_size']} logit columns")
+    return ids
 
 
 def read_engine_meta(folder: Path) -> dict:

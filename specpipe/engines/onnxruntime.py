@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specpipe.engines.base import ENGINE_META, Engine, EngineSequence, read_engine_meta
+from specpipe.engines.base import ENGINE_META, Engine, EngineSequence, meta_token_ids, read_engine_meta
 from specpipe.errors import EngineError
 
 MODEL_FILE = "model.onnx"
@@ -67,6 +67,7 @@ class OrtEngine(Engine):
         self.output_names = ["logits", *self.present_names]
         self.uses_position_ids = "position_ids" in inputs
         self.vocab_size = int(self.meta["vocab_size"])
+        self.token_ids = meta_token_ids(self.meta)
         self.max_seq_len = int(self.meta.get("max_seq_len", 2048))
 
     def new_sequence(self) -> "OrtSequence":

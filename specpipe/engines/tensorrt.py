@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specpipe.engines.base import Engine, EngineSequence, read_engine_meta
+from specpipe.engines.base import Engine, EngineSequence, meta_token_ids, read_engine_meta
 from specpipe.errors import EngineError
 
 
@@ -42,6 +42,7 @@ class TensorRTEngine(Engine):
         self.torch = torch
         self.device = torch.device("cuda", device)
         self.vocab_size = int(self.meta["vocab_size"])
+        self.token_ids = meta_token_ids(self.meta)
         self.max_seq_len = int(self.meta["max_seq_len"])
         self.profiles = [Profile.model_validate(p) for p in self.meta["profiles"]]
         self._lock = threading.Lock()  # execution contexts are not thread-safe; sequences may be

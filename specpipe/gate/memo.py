@@ -22,6 +22,7 @@ class MemoEngine(Engine):
     def __init__(self, engine: Engine, *, max_bytes: int = 1 << 30):
         self.engine = engine
         self.vocab_size = engine.vocab_size
+        self.token_ids = engine.token_ids
         self.max_seq_len = engine.max_seq_len
         self.max_entries = max(64, max_bytes // (4 * engine.vocab_size))
         self._rows: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()

@@ -75,8 +75,7 @@ def measure_accuracy(ref_dir: Path, quant_dir: Path, token_batches: Sequence[Seq
         # The last position has no next token in the sequence: drop it from every metric alike.
         logp_ref = log_softmax(sequence_logits(ref, token_ids)[:-1, :vocab])  # [T-1, V]
         logp_quant = log_softmax(sequence_logits(quant, token_ids)[:-1, :vocab])  # [T-1, V]
-        next_ids = np.asarray(token_ids[1:])  # position t predicts token t+1
-        rows = np.arange(len(next_ids))
+        rows, next_ids = _scored_next_tokens(ref, token_ids)
         nll_ref.append(-logp_ref[rows, next_ids])
         nll_quant.append(-logp_quant[rows, next_ids])
         agree.append(logp_ref.argmax(-1) == logp_quant.argmax(-1))
@@ -94,6 +93,19 @@ def measure_accuracy(ref_dir: Path, quant_dir: Path, token_batches: Sequence[Seq
         mean_kl=float(max(kl.mean(), 0.0)),  # rounding can make an exact match a hair negative
         max_kl=float(max(kl.max(), 0.0)),
     )
+
+
+def _scored_next_tokens(engine, token_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, logit columns) of the next tokens: position t predicts token t+1. A sliced draft head
+    (engine.token_ids) scores only its kept tokens, so perplexity is over the positions whose next token
+    it keeps (both engines compared have the same columns)."""
+    next_ids = np.asarray(token_ids[1:])
+    if engine.token_ids is None:
+        return np.arange(len(next_ids)), next_ids
+    column = np.full(max(int(engine.token_ids.max()), int(next_ids.max())) + 1, -1)
+    column[engine.token_ids] = np.arange(len(engine.token_ids))
+    rows = np.flatnonzero(column[next_ids] >= 0)
+    return rows, column[next_ids[rows]]
 
 
 def budget_violations(report: AccuracyReport, budget: AccuracyBudget) -> list[BudgetViolation]:
@@ -130,12 +142,14 @@ def greedy_agreement(draft_dir: Path, target_dir: Path, token_batches: Sequence[
     from specpipe.engines.base import load_engine
 
     draft, target = load_engine(draft_dir, threads=threads), load_engine(target_dir, threads=threads)
-    vocab = min(draft.vocab_size, target.vocab_size)
-    matches = [
-        sequence_logits(draft, ids)[:, :vocab].argmax(-1) == sequence_logits(target, ids)[:, :vocab].argmax(-1)
-        for ids in token_batches
-        if len(ids) >= 1
-    ]
+
+    def greedy_tokens(engine, ids) -> np.ndarray:
+        logits = sequence_logits(engine, ids)
+        if engine.token_ids is not None:  # a sliced draft head: its columns are these tokens
+            return engine.token_ids[logits.argmax(-1)]
+        return logits[:, : min(draft.vocab_size, target.vocab_size)].argmax(-1)
+
+    matches = [greedy_tokens(draft, ids) == greedy_tokens(target, ids) for ids in token_batches if len(ids) >= 1]
     if not matches:
         raise UsageError("greedy agreement needs at least one non-empty sequence")
     return float(np.concatenate(matches).mean())

@@ -102,6 +102,36 @@ def untie_lm_head(model) -> list[str]:
     return untied
 
 
+def slice_lm_head(model, token_ids: np.ndarray) -> str:
+    """Keep only the lm_head columns of `token_ids` (in that order): `logits` becomes [batch, n, len(ids)].
+
+    A draft's head is most of its cost (SmolLM2: a 49152 x 576 matrix against 3.5M weights per layer),
+    and its training data uses a few thousand distinct tokens; scoring only those is FR-Spec's
+    frequency-ranked draft vocabulary (Zhao et al. 2025). The embedding Gather keeps the whole vocabulary,
+    so any token can still be fed. Returns the head MatMul's name.
+    """
+    from onnx import numpy_helper
+
+    untie_lm_head(model)
+    head = lm_head_matmul(model)
+    initializers = {init.name: init for init in model.graph.initializer}
+    node = next((n for n in model.graph.node if n.name == head), None)
+    if node is None or node.input[1] not in initializers:
+        raise ValueError("the graph has no lm_head MatMul with a constant weight writing `logits`")
+    init = initializers[node.input[1]]
+    weight = numpy_helper.to_array(init)  # [hidden, vocab]
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= weight.shape[1]:
+        raise ValueError(f"token ids must be a non-empty list within the head's {weight.shape[1]} columns")
+    init.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(weight[:, ids]), init.name))
+    for value in [*model.graph.output, *model.graph.value_info]:
+        if value.name == "logits":
+            vocab_dim = value.type.tensor_type.shape.dim[-1]
+            vocab_dim.ClearField("dim_param")
+            vocab_dim.dim_value = len(ids)
+    return head
+
+
 def kv_input_shapes(model) -> dict[str, tuple[int, int]]:
     """{past_key_values.i.key|value: (num_kv_heads, head_dim)} read from the graph's input declarations."""
     shapes = {}

@@ -75,25 +75,35 @@ class ModelDraftSession(DraftSession):
 
     def propose(self, context, k, sampling, rng) -> Proposal:
         logits = self.seq.sync(context)[-1]
+        token_ids = self.drafter.engine.token_ids
         tokens, q_rows = [], []
         for i in range(k):
-            row = self._in_target_vocab(logits)
-            if sampling.greedy:
-                token = int(row.argmax())
+            if sampling.greedy and token_ids is not None:
+                token = int(token_ids[logits.argmax()])  # a sliced head: argmax among the tokens it scores
+            elif sampling.greedy:
+                token = int(self._in_target_vocab(logits).argmax())
             else:
-                q_i = shape_probs(row, sampling)[0]
+                q_i = shape_probs(self._in_target_vocab(logits), sampling)[0]
                 token = sample(q_i, rng)
                 q_rows.append(q_i)
             tokens.append(token)
-            if i + 1 == k or _top_probability(row) < self.min_confidence:
+            # Tokens a sliced head does not score have q = 0, so its top probability is the same either way.
+            if i + 1 == k or _top_probability(logits) < self.min_confidence:
                 break
             logits = self.seq.append([token])[-1]
         return Proposal(tokens, np.stack(q_rows) if q_rows else None)
 
     def _in_target_vocab(self, logits: np.ndarray) -> np.ndarray:
-        """Draft logits over the target's vocabulary: padded rows beyond it are dropped, missing ones are
-        -inf, so q never proposes a token the target cannot score."""
+        """Draft logits over the target's vocabulary, so q never proposes a token the target cannot score:
+        padded columns beyond it are dropped, missing ones are -inf, and a sliced head's columns
+        (engine.token_ids) go back to their token ids with -inf (q = 0) everywhere else."""
         vocab = self.drafter.target_vocab_size
+        token_ids = self.drafter.engine.token_ids
+        if token_ids is not None:
+            row = np.full(vocab, -np.inf, dtype=logits.dtype)
+            keep = token_ids < vocab
+            row[token_ids[keep]] = logits[keep]
+            return row
         if len(logits) >= vocab:
             return logits[:vocab]
         return np.concatenate([logits, np.full(vocab - len(logits), -np.inf, dtype=logits.dtype)])
