@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from specpipe.config import BuildConfig
 from specpipe.engines.onnxruntime import OrtEngine, optimize_for_cpu, write_engine_meta
-from specpipe.errors import OutputExistsError
+from specpipe.errors import ExportError, OutputExistsError, UsageError
 from specpipe.export.onnx import check_export, export_onnx
 from specpipe.manifest import file_hashes, library_versions, now_iso, write_manifest
 
@@ -49,6 +49,8 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     from specpipe.quantize import check_kv_cache_dtype
 
     check_kv_cache_dtype(cfg.quant, cfg.backend)  # refuse, never silently ignore, a KV precision we cannot do
+    if cfg.draft_vocab and cfg.draft_kind != "model":
+        raise UsageError(f"--draft-vocab applies to a draft model; --draft {cfg.draft} has no head of its own")
     started = time.perf_counter()
 
     say(f"resolving target {cfg.target}")
@@ -136,10 +138,23 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         timings[f"{role}_export_s"] = time.perf_counter() - t0
         say(f"optimizing the {role} graph for ONNX Runtime")
         optimize_for_cpu(Path(raw) / "model.onnx", out, threads=cfg.threads)
-    sliced = {} if vocab is None else {"vocab_size": vocab["size"], "token_ids": vocab["token_ids"].tolist()}
+    if vocab is not None:
+        from specpipe.quantize.graph import load_model, model_files, save_model, slice_lm_head
+
+        say(f"slicing the {role} head to its {vocab['size']} most used tokens")
+        model = load_model(out)
+        try:
+            slice_lm_head(model, vocab["token_ids"])
+        except ValueError as err:
+            raise ExportError(f"cannot slice the {role} head ({err}); pass --draft-vocab 0") from None
+        for path in model_files(out):
+            path.unlink()
+        save_model(model, out)
+        del model
     write_engine_meta(
         out,
-        **{"vocab_size": info.vocab_size, **sliced},
+        vocab_size=info.vocab_size if vocab is None else vocab["size"],
+        **({} if vocab is None else {"token_ids": vocab["token_ids"].tolist()}),
         num_layers=info.num_layers,
         num_kv_heads=info.num_kv_heads,
         head_dim=info.head_dim,
@@ -147,16 +162,6 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         quant="none",
         ort_optimized=True,
     )
-    if vocab is not None:
-        from specpipe.quantize.graph import load_model, model_files, save_model, slice_lm_head
-
-        say(f"slicing the {role} head to its {vocab['size']} most used tokens")
-        model = load_model(out)
-        slice_lm_head(model, vocab["token_ids"])
-        for path in model_files(out):
-            path.unlink()
-        save_model(model, out)
-        del model
     t1 = time.perf_counter()
     say(f"checking the {role} engine against torch")
     max_abs_diff = check_export(

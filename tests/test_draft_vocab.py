@@ -130,3 +130,10 @@ def test_draft_vocab_without_ranking_is_a_one_line_error(capsys, tiny_target, ti
                         "--engines-dir", str(tmp_path), "--no-repo")
     assert code == 2 and f"has no {FILE}" in err and "Traceback" not in err
     assert not any(tmp_path.iterdir()), "nothing is written before the check"
+
+
+def test_draft_vocab_needs_a_draft_model(capsys, tiny_target, tmp_path):
+    code, _, err = run_cli(capsys, "build", "--target", str(tiny_target), "--draft", "ngram", "--draft-vocab", "64",
+                           "--engines-dir", str(tmp_path), "--no-repo")
+    assert code == 2 and "--draft-vocab applies to a draft model" in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())

@@ -59,6 +59,8 @@ class ModelDrafter(Drafter):
     def __init__(self, engine: Engine, target_vocab_size: int):
         self.engine = engine
         self.target_vocab_size = target_vocab_size
+        # A sliced head (engine.token_ids): which of its columns the target can score, found once.
+        self.kept_columns = None if engine.token_ids is None else engine.token_ids < target_vocab_size
 
     def new_request(self, cfg: Optional[GenerationConfig] = None) -> DraftSession:
         return ModelDraftSession(self, cfg or GenerationConfig())
@@ -101,7 +103,7 @@ class ModelDraftSession(DraftSession):
         token_ids = self.drafter.engine.token_ids
         if token_ids is not None:
             row = np.full(vocab, -np.inf, dtype=logits.dtype)
-            keep = token_ids < vocab
+            keep = self.drafter.kept_columns
             row[token_ids[keep]] = logits[keep]
             return row
         if len(logits) >= vocab:
