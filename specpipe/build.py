@@ -222,8 +222,8 @@ def _build_self_draft(stage: Path, cfg: BuildConfig, tokenizer, say: Progress, t
 
 def _measure_step_costs(stage: Path, cfg: BuildConfig, has_draft_engine: bool):
     """Draft and verification costs relative to a target step, on these engines and this machine: adaptive
-    K's inputs (spec/adaptive.py). Recorded once, so every process serving the build drafts alike."""
-    from specpipe.spec.adaptive import measure_step_costs
+    K's inputs (speculative/adaptive.py). Recorded once, so every process serving the build drafts alike."""
+    from specpipe.speculative.adaptive import measure_step_costs
 
     target = OrtEngine(stage / "target", threads=cfg.threads)
     draft = OrtEngine(stage / "draft", threads=cfg.threads) if has_draft_engine else None

@@ -10,10 +10,10 @@ from specpipe.config import GenerationConfig, NgramConfig
 from specpipe.engines.base import Engine, load_engine
 from specpipe.errors import EngineError
 from specpipe.manifest import read_manifest
-from specpipe.spec.adaptive import StepCosts
-from specpipe.spec.drafters import Drafter, ModelDrafter
-from specpipe.spec.generator import SpecGenerator
-from specpipe.spec.ngram import NgramDrafter
+from specpipe.speculative.adaptive import StepCosts
+from specpipe.speculative.drafters import Drafter, ModelDrafter
+from specpipe.speculative.generator import SpecGenerator
+from specpipe.speculative.ngram import NgramDrafter
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from specpipe.config import GenerationConfig, SamplingConfig
-from specpipe.spec.adaptive import (
+from specpipe.speculative.adaptive import (
     AdaptiveDraftLength,
     ExpectedSpeedupDraftLength,
     FixedDraftLength,
@@ -17,10 +17,10 @@ from specpipe.spec.adaptive import (
     draft_length_policy,
     expected_speedup,
 )
-from specpipe.spec.decoder import SpeculativeDecoder
-from specpipe.spec.drafters import Drafter, DraftSession, ModelDrafter, Proposal
-from specpipe.spec.ngram import NgramDrafter
-from specpipe.spec.stats import SpecStats
+from specpipe.speculative.decoder import SpeculativeDecoder
+from specpipe.speculative.drafters import Drafter, DraftSession, ModelDrafter, Proposal
+from specpipe.speculative.ngram import NgramDrafter
+from specpipe.speculative.stats import SpecStats
 from specpipe.testing.distribution import chi_square_p, first_two_tokens
 from specpipe.testing.engines import BigramEngine
 

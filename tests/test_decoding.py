@@ -6,8 +6,8 @@ from scipy import stats
 
 from specpipe.config import GenerationConfig, SamplingConfig
 from specpipe.deployment import load_deployment
-from specpipe.spec import SpecStats, verify as verify_module
-from specpipe.spec.sampling import shape_probs
+from specpipe.speculative import SpecStats, verify as verify_module
+from specpipe.speculative.sampling import shape_probs
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "Héllo wörld 東京"]
 
@@ -131,6 +131,6 @@ def test_chi_square_catches_a_planted_wrong_rule(pair, monkeypatch):
     def always_accept(draft_tokens, q, p, rng):
         return verify_module.Verdict(len(draft_tokens), verify_module.sample(p[len(draft_tokens)], rng))
 
-    monkeypatch.setattr("specpipe.spec.decoder.verify_sampled", always_accept)
+    monkeypatch.setattr("specpipe.speculative.decoder.verify_sampled", always_accept)
     p_first, p_second, _ = first_and_second_pvalues(pair, SAMPLED)
     assert p_first < 0.001

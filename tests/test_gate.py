@@ -17,7 +17,7 @@ import pytest
 from specpipe.cli import main
 from specpipe.config import GateConfig
 from specpipe.gate import goodness, load_gate, run_gate
-from specpipe.spec.verify import PLANTED_BIAS_ENV
+from specpipe.speculative.verify import PLANTED_BIAS_ENV
 
 TEST_GATE = {
     "prompts": ["def add(a, b):", "The quick brown fox"],

@@ -12,7 +12,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from specpipe.spec.verify import PLANTED_BIAS_ENV
+from specpipe.speculative.verify import PLANTED_BIAS_ENV
 from tests.test_gate import _toml, one_line_error, small_gate, validate, write_toml
 
 

@@ -83,9 +83,9 @@ def test_greedy_speculative_equals_target_only(built_pair, k):
     """TensorRTEngine under the unchanged speculative decoder: drafts never change greedy output."""
     from specpipe.config import GenerationConfig
     from specpipe.engines.base import load_engine
-    from specpipe.spec.decoder import SpeculativeDecoder
-    from specpipe.spec.drafters import ModelDrafter
-    from specpipe.spec.stats import SpecStats
+    from specpipe.speculative.decoder import SpeculativeDecoder
+    from specpipe.speculative.drafters import ModelDrafter
+    from specpipe.speculative.stats import SpecStats
 
     target = load_engine(built_pair["target"][1])
     draft = load_engine(built_pair["draft"][1])

@@ -8,10 +8,10 @@ import pytest
 from pydantic import ValidationError
 
 from specpipe.config import GenerationConfig, NgramConfig, SamplingConfig
-from specpipe.spec.decoder import SpeculativeDecoder
-from specpipe.spec.ngram import NgramDrafter, copy_ceiling
-from specpipe.spec.stats import SpecStats
-from specpipe.spec.verify import Verdict
+from specpipe.speculative.decoder import SpeculativeDecoder
+from specpipe.speculative.ngram import NgramDrafter, copy_ceiling
+from specpipe.speculative.stats import SpecStats
+from specpipe.speculative.verify import Verdict
 from specpipe.testing.distribution import chi_square_p, first_two_tokens
 from specpipe.testing.engines import BigramEngine
 
@@ -229,7 +229,7 @@ def _distribution_p_values(samples: np.ndarray, target: BigramEngine) -> list[fl
 
 def _point_mass_residual_kept(draft_tokens, q, p, rng):
     """Planted bug: on rejection, resample from p itself instead of norm(max(0, p - q)) (forgets the point mass)."""
-    from specpipe.spec.sampling import sample
+    from specpipe.speculative.sampling import sample
 
     for i, x in enumerate(draft_tokens):
         if rng.random() >= p[i, x]:
@@ -239,7 +239,7 @@ def _point_mass_residual_kept(draft_tokens, q, p, rng):
 
 def _always_accept(draft_tokens, q, p, rng):
     """Planted bug: every draft is accepted."""
-    from specpipe.spec.sampling import sample
+    from specpipe.speculative.sampling import sample
 
     return Verdict(len(draft_tokens), sample(p[len(draft_tokens)], rng))
 
@@ -260,7 +260,7 @@ def test_point_mass_drafts_emit_the_target_distribution(bigram_target):
 
 @pytest.mark.parametrize("wrong_rule", [_point_mass_residual_kept, _always_accept])
 def test_the_distribution_test_catches_a_planted_wrong_rule(bigram_target, monkeypatch, wrong_rule):
-    monkeypatch.setattr("specpipe.spec.decoder.verify_sampled", wrong_rule)
+    monkeypatch.setattr("specpipe.speculative.decoder.verify_sampled", wrong_rule)
     decoder = SpeculativeDecoder(bigram_target, NgramDrafter())
     samples = first_two_tokens(decoder, CONTEXT, SAMPLED, RUNS)
     assert min(_distribution_p_values(samples, bigram_target)) < 1e-3
@@ -271,7 +271,7 @@ def test_the_distribution_test_catches_a_planted_wrong_rule(bigram_target, monke
 
 def test_greedy_equivalence_on_tiny_onnx_engines(tiny_build):
     from specpipe.deployment import load_deployment
-    from specpipe.spec.generator import SpecGenerator
+    from specpipe.speculative.generator import SpecGenerator
 
     deployment = load_deployment(tiny_build, threads=1)
     lookup = SpecGenerator(deployment.target, NgramDrafter(), deployment.tokenizer, deployment.manifest["eos_token_ids"])

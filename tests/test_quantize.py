@@ -97,7 +97,7 @@ def _tampered(folder: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("mode", QUANT_MODES)
 def test_mode_builds_and_generates(mode, quantized, fp32_engine, tiny_target, tokenizer):
     from specpipe.engines.base import load_engine
-    from specpipe.spec.generator import SpecGenerator
+    from specpipe.speculative.generator import SpecGenerator
 
     meta = json.loads((quantized[mode] / "engine.json").read_text())
     assert meta["quant"] == mode and meta["backend"] == "onnxruntime"
@@ -234,8 +234,8 @@ def test_quantize_engine_refuses_an_engine_over_budget(fp32_engine, tokenizer, t
 
 def test_quantized_draft_keeps_greedy_output_identical(fp32_engine, quantized, tokenizer):
     from specpipe.engines.base import load_engine
-    from specpipe.spec.drafters import ModelDrafter
-    from specpipe.spec.generator import SpecGenerator
+    from specpipe.speculative.drafters import ModelDrafter
+    from specpipe.speculative.generator import SpecGenerator
 
     target = load_engine(fp32_engine)
     baseline = SpecGenerator(target, None, tokenizer)

@@ -10,8 +10,8 @@ import pytest
 from specpipe.cli import main
 from specpipe.config import GenerationConfig
 from specpipe.deployment import load_deployment
-from specpipe.spec.drafters import ModelDrafter
-from specpipe.spec.ngram import NgramDrafter
+from specpipe.speculative.drafters import ModelDrafter
+from specpipe.speculative.ngram import NgramDrafter
 from tests.test_cli_core import run_cli
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(", "The quick brown fox. The quick brown"]

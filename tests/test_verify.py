@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from specpipe.config import SamplingConfig
-from specpipe.spec.sampling import sample, shape_probs
-from specpipe.spec.stats import SpecStats
-from specpipe.spec.verify import verify_greedy, verify_sampled
+from specpipe.speculative.sampling import sample, shape_probs
+from specpipe.speculative.stats import SpecStats
+from specpipe.speculative.verify import verify_greedy, verify_sampled
 
 
 def onehot_logits(rows: list[int], vocab: int = 10) -> np.ndarray:

@@ -5,7 +5,7 @@ alone, its speculative decoder at a fixed or adaptive K, transformers' assisted 
 same pair. New axes plug in as rows: a quantized engine (issue 4) or another draft strategy such as
 prompt lookup (issue 8) is a `SpecRow` over a SpecGenerator built from those parts.
 
-Conventions (see specpipe.spec.stats for the decoder's):
+Conventions (see specpipe.speculative.stats for the decoder's):
 - rows run prompt by prompt, each prompt through every row back to back, so slow drift of a shared
   machine hits all rows alike; every row first runs untimed warm-up prompts.
 - tokens_per_s: generated tokens / wall time including prefill, median over prompts;
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Protocol
 
 from specpipe.config import GenerationConfig
-from specpipe.spec.generator import SpecGenerator
+from specpipe.speculative.generator import SpecGenerator
 
 BASELINE = "target-only"
 

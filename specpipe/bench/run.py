@@ -13,7 +13,7 @@ from specpipe.bench.limits import floor_ms_per_token, measure_bandwidth, step_ms
 from specpipe.bench.prompts import load_prompt_sets
 from specpipe.config import BenchConfig
 from specpipe.errors import UsageError
-from specpipe.spec.ngram import copy_ceiling
+from specpipe.speculative.ngram import copy_ceiling
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
@@ -99,7 +99,7 @@ def _best(table: list[dict]) -> Optional[dict]:
 
 def _copy_ceiling(prompts: list, baseline: list) -> dict:
     """Tokens per target call the best possible prompt-lookup drafter could reach on the target's own answers
-    (spec/ngram.py `copy_ceiling`): with free verification, an upper bound on any copying drafter's speedup."""
+    (speculative/ngram.py `copy_ceiling`): with free verification, an upper bound on any copying drafter's speedup."""
     per_prompt = [copy_ceiling(ids, run.token_ids) for (_, ids), run in zip(prompts, baseline)]
     return {"tokens_per_call_median": statistics.median(per_prompt) if per_prompt else None, "per_prompt": per_prompt}
 

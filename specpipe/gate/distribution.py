@@ -31,7 +31,7 @@ from specpipe.config import GateConfig, GateDistributionConfig, SamplingConfig
 from specpipe.gate import goodness
 from specpipe.gate.report import CheckResult
 from specpipe.gate.subjects import Subject, Tick
-from specpipe.spec.sampling import shape_probs
+from specpipe.speculative.sampling import shape_probs
 
 NAME = "distribution_equivalence"
 HEADROOM = 1.05  # the second test's sample count is random (n * p(x*) on average): plan 5% above it

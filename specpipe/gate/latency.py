@@ -7,7 +7,7 @@ Conventions (genai-perf's): TTFT = request sent -> first token received; ITL = (
 (output tokens - 1), one value per request; percentiles over requests. tokens_per_s = all output tokens /
 wall time of the measured run (throughput at that concurrency). speedup = speculative tokens_per_s /
 target-only tokens_per_s. acceptance_rate = accepted / drafted over all speculative requests, and
-per-position acceptance as in specpipe.spec.stats.
+per-position acceptance as in specpipe.speculative.stats.
 """
 
 from __future__ import annotations

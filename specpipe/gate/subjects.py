@@ -17,9 +17,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from specpipe.config import GenerationConfig, SamplingConfig
-from specpipe.spec.decoder import SpeculativeDecoder
-from specpipe.spec.drafters import ModelDrafter
-from specpipe.spec.stats import SpecStats
+from specpipe.speculative.decoder import SpeculativeDecoder
+from specpipe.speculative.drafters import ModelDrafter
+from specpipe.speculative.stats import SpecStats
 
 Tick = Callable[[int], None]  # advance a progress bar by n
 

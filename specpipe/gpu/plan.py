@@ -121,7 +121,7 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
         steps = _deployment_step(cfg, work, repo) + _tensorrt_steps(cfg, jobs, limits, work)
         repository: list[Path] = []
         serve: tuple[str, ...] = ("specpipe", "serve", str(repo)) if repo else ()
-        notes.append("the Triton repository is specpipe's own (Python backend over specpipe.spec): engine.json names the tensorrt backend")
+        notes.append("the Triton repository is specpipe's own (Python backend over specpipe.speculative): engine.json names the tensorrt backend")
     else:
         flow = cfg.trtllm_flow
         steps = _resolve_steps(cfg, work)

@@ -13,8 +13,8 @@ import numpy as np
 from scipy import stats
 
 from specpipe.config import GenerationConfig
-from specpipe.spec.decoder import SpeculativeDecoder
-from specpipe.spec.stats import SpecStats
+from specpipe.speculative.decoder import SpeculativeDecoder
+from specpipe.speculative.stats import SpecStats
 
 
 def first_two_tokens(decoder: SpeculativeDecoder, context: Sequence[int], cfg: GenerationConfig, runs: int) -> np.ndarray:

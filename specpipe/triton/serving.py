@@ -21,7 +21,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from specpipe.errors import UsageError
-from specpipe.spec.generator import Generation, SpecGenerator
+from specpipe.speculative.generator import Generation, SpecGenerator
 from specpipe.triton.protocol import ServedRequest, check_lengths, parse_request
 
 

@@ -1,6 +1,6 @@
 """Triton Python-backend model: specpipe's speculative decoder behind tensorrtllm_backend's tensor names.
 
-A thin adapter. specpipe.triton.serving validates requests and runs specpipe.spec's SpecGenerator, the
+A thin adapter. specpipe.triton.serving validates requests and runs specpipe.speculative's SpecGenerator, the
 same code `specpipe generate` runs in-process; this file only moves tensors in and responses out.
 write_repository() copies it to <repo>/<model>/1/model.py with the engines beside it in 1/engine/, so
 the repository can be moved anywhere. The model is decoupled: one response per speculative step.

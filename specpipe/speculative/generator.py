@@ -12,10 +12,10 @@ from typing import Iterator, Optional, Sequence
 from specpipe.config import GenerationConfig
 from specpipe.engines.base import Engine
 from specpipe.errors import UsageError
-from specpipe.spec.adaptive import StepCosts
-from specpipe.spec.decoder import SpeculativeDecoder
-from specpipe.spec.drafters import Drafter
-from specpipe.spec.stats import SpecStats
+from specpipe.speculative.adaptive import StepCosts
+from specpipe.speculative.decoder import SpeculativeDecoder
+from specpipe.speculative.drafters import Drafter
+from specpipe.speculative.stats import SpecStats
 
 
 @dataclass

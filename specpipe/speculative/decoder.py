@@ -14,11 +14,11 @@ import numpy as np
 
 from specpipe.config import GenerationConfig
 from specpipe.engines.base import Engine
-from specpipe.spec.adaptive import StepCosts, draft_length_policy
-from specpipe.spec.drafters import Drafter, Proposal
-from specpipe.spec.sampling import shape_probs
-from specpipe.spec.stats import SpecStats
-from specpipe.spec.verify import verify_greedy, verify_sampled
+from specpipe.speculative.adaptive import StepCosts, draft_length_policy
+from specpipe.speculative.drafters import Drafter, Proposal
+from specpipe.speculative.sampling import shape_probs
+from specpipe.speculative.stats import SpecStats
+from specpipe.speculative.verify import verify_greedy, verify_sampled
 
 
 class SpeculativeDecoder:

@@ -16,8 +16,8 @@ import numpy as np
 
 from specpipe.config import GenerationConfig, SamplingConfig
 from specpipe.engines.base import Engine
-from specpipe.spec.adaptive import DEFAULT_MODEL_DRAFT_COST, DEFAULT_VERIFY_PER_TOKEN, StepCosts, draft_confidence_floor
-from specpipe.spec.sampling import sample, shape_probs
+from specpipe.speculative.adaptive import DEFAULT_MODEL_DRAFT_COST, DEFAULT_VERIFY_PER_TOKEN, StepCosts, draft_confidence_floor
+from specpipe.speculative.sampling import sample, shape_probs
 
 
 @dataclass

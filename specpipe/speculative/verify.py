@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from specpipe.spec.sampling import sample
+from specpipe.speculative.sampling import sample
 
 # Test-only switch: SPECPIPE_TEST_PLANTED_BIAS=always-accept plants the classic wrong rule (accept every
 # draft) in verify_sampled, in this process and in a Triton server started from it, so tests can show that

@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from specpipe.config import GenerationConfig, NgramConfig, SamplingConfig, field_default
-from specpipe.spec.adaptive import DEFAULT_VERIFY_PER_TOKEN, StepCosts
-from specpipe.spec.drafters import Drafter, DraftSession, Proposal
+from specpipe.speculative.adaptive import DEFAULT_VERIFY_PER_TOKEN, StepCosts
+from specpipe.speculative.drafters import Drafter, DraftSession, Proposal
 
 
 class NgramDrafter(Drafter):
