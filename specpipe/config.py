@@ -398,9 +398,9 @@ class GpuBuildConfig(Strict):
     draft: str
     backend: GpuBackend = Field("trtllm", description="tensorrt: ONNX -> TensorRT engines; trtllm: TensorRT-LLM")
     trtllm_flow: Literal["engine", "llmapi"] = Field(
-        "engine",
-        description="engine: convert/quantize + trtllm-build + tensorrtllm_backend (pinned TensorRT-LLM); "
-        "llmapi: LLM API (DraftTargetDecodingConfig) served by Triton's llmapi model, the forward path",
+        "llmapi",
+        description="llmapi: TensorRT-LLM >= 1.3's LLM API (PyTorch backend, speculative_config) served by trtllm-serve "
+        "or Triton's llmapi model; engine: convert/quantize + trtllm-build + tensorrtllm_backend, pinned to 1.2.1",
     )
     name: Optional[str] = Field(None, description="default: derived from the pair")
     engines_dir: Path = Path("engines")
@@ -425,5 +425,13 @@ class GpuBuildConfig(Strict):
     calib_size: int = Field(512, ge=1, description="calibration samples for ModelOpt quantization (fp8, int8, int4-wo)")
     trtllm_checkout: Path = Field(
         Path("TensorRT-LLM"), description="checkout of NVIDIA/TensorRT-LLM at the pinned tag (examples/, triton_backend/)"
+    )
+    modelopt_checkout: Path = Field(
+        Path("Model-Optimizer"), description="checkout of NVIDIA/Model-Optimizer (examples/llm_ptq/hf_ptq.py; llmapi flow quantization)"
+    )
+    draft_len_schedule: Optional[dict[int, int]] = Field(
+        None,
+        description="llmapi flow: {batch size: draft length} for TensorRT-LLM's in-flight batching (0 = no speculation);"
+        " None = K up to batch 2, then halved at each doubling of the batch",
     )
     dry_run: bool = Field(False, description="print the plan and write the Triton repository; run no GPU step")

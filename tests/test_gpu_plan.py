@@ -70,12 +70,34 @@ POST_PARAMETER_KEYS = {"tokenizer_dir", "skip_special_tokens"}
 # docs/model_config.md (tensorrtllm_backend v1.0.0): batching_strategy values
 BATCHING = {"inflight_fused_batching", "V1"}
 
+# NVIDIA/TensorRT-LLM examples/quantization/quantize.py @c8c6df08: the argparse flags (no --export_format)
+QUANTIZE_FLAGS_C8C6DF08 = QUANTIZE_FLAGS - {"--export_format"}
+# NVIDIA/Model-Optimizer examples/llm_ptq/hf_ptq.py @003e0fba: the flags and choices a plan may use
+HF_PTQ_FLAGS = {"--pyt_ckpt_path", "--qformat", "--kv_cache_qformat", "--calib_size", "--export_path", "--inference_tensor_parallel",
+                "--dataset", "--batch_size"}  # fmt: skip
+HF_PTQ_QFORMATS = {"int8", "int8_sq", "int8_wo", "fp8", "int4_awq", "w4a8_awq", "nvfp4", "nvfp4_awq"}
+HF_PTQ_KV_QFORMATS = {"none", "fp8_cast", "fp8", "fp8_affine", "nvfp4_cast", "nvfp4", "nvfp4_affine", "nvfp4_rotate"}
+# tensorrt_llm/llmapi/llm_args.py: BaseLlmArgs fields (@fcd3f316) and DecodingBaseConfig fields (2026 main)
+LLM_ARGS = {"model", "backend", "tensor_parallel_size", "pipeline_parallel_size", "max_batch_size", "max_num_tokens", "max_seq_len",
+            "max_input_len", "kv_cache_config", "enable_chunked_prefill", "speculative_config", "disable_overlap_scheduler"}  # fmt: skip
+DECODING_BASE_FIELDS = {"max_draft_len", "max_total_draft_tokens", "speculative_model", "max_concurrency", "draft_len_schedule",
+                        "load_format", "acceptance_window", "acceptance_length_threshold", "allow_advanced_sampling"}  # fmt: skip
+# triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt @0a710573: what an llmapi client sends
+LLMAPI_CLIENT_TENSORS = {"text_input": "STRING", "streaming": "BOOL", "sampling_param_temperature": "FP32",
+                         "sampling_param_top_k": "INT32", "sampling_param_top_p": "FP32", "sampling_param_max_tokens": "INT32",
+                         "sampling_param_seed": "UINT64", "sampling_param_stop": "STRING"}  # fmt: skip
+
 SIX_MODELS = {"ensemble", "preprocessing", "tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls", "postprocessing"}
 
 
 def _cfg(tmp_path: Path, **kw) -> GpuBuildConfig:
     base = dict(target="llama-70b", draft="llama-7b", engines_dir=tmp_path / "engines", repo_dir=tmp_path / "repo", dry_run=True)
     return GpuBuildConfig(**(base | kw))
+
+
+def _engine_cfg(tmp_path: Path, **kw) -> GpuBuildConfig:
+    """The TensorRT-LLM 1.2.1 engine flow (--trtllm-flow engine)."""
+    return _cfg(tmp_path, trtllm_flow="engine", **kw)
 
 
 def _flags(argv: tuple[str, ...]) -> dict[str, str | None]:
@@ -98,19 +120,20 @@ def _step(plan, step_id: str):
 
 @pytest.mark.parametrize("tp", [4, 8])
 def test_llama_70b_7b_fp8_plan_uses_upstream_flags(tmp_path, tp):
-    plan = make_plan(_cfg(tmp_path, quant="fp8", tp_size=tp, kv_cache_dtype="fp8"))
+    plan = make_plan(_engine_cfg(tmp_path, quant="fp8", tp_size=tp, kv_cache_dtype="fp8"))
     assert plan.versions["tensorrt_llm"] == "1.2.1"
 
     quantize = _flags(_step(plan, "target.quantize").argv)
     assert set(quantize) <= QUANTIZE_FLAGS
     assert quantize["--qformat"] == "fp8" and quantize["--kv_cache_dtype"] == "fp8"
-    assert quantize["--tp_size"] == str(tp) and quantize["--export_format"] == "tensorrt_llm"
+    assert quantize["--tp_size"] == str(tp)
     for flag, allowed in QUANTIZE_CHOICES.items():
         assert quantize.get(flag) in allowed | {None}
 
-    # the draft is not quantized but its KV cache is: quantize.py with full_prec and --kv_cache_dtype fp8
-    draft_quantize = _flags(_step(plan, "draft.quantize").argv)
-    assert draft_quantize["--qformat"] == "full_prec" and draft_quantize["--tp_size"] == "1"
+    # the draft is not quantized: an fp8 KV cache would turn its paged context FMHA off (defect 3), so it keeps
+    # an fp16 one and is converted, not quantized
+    assert plan.draft.kv_cache_dtype == "auto" and plan.target.kv_cache_dtype == "fp8"
+    assert _flags(_step(plan, "draft.checkpoint").argv)["--tp_size"] == "1"
 
     for role in ("target", "draft"):
         step = _step(plan, f"{role}.engine")
@@ -135,7 +158,7 @@ def test_llama_70b_7b_fp8_plan_uses_upstream_flags(tmp_path, tp):
 
 
 def test_unquantized_plan_converts_with_convert_checkpoint(tmp_path):
-    plan = make_plan(_cfg(tmp_path, tp_size=8))
+    plan = make_plan(_engine_cfg(tmp_path, tp_size=8))
     step = _step(plan, "target.checkpoint")
     assert step.argv[1].endswith("examples/models/core/llama/convert_checkpoint.py")
     flags = _flags(step.argv)
@@ -144,12 +167,12 @@ def test_unquantized_plan_converts_with_convert_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("quant, qformat", [("fp8", "fp8"), ("int8", "int8_sq"), ("int4-wo", "int4_awq"), ("int8-wo", "int8_wo")])
 def test_quant_modes_map_to_modelopt_qformats(tmp_path, quant, qformat):
-    plan = make_plan(_cfg(tmp_path, quant=quant, tp_size=8))
+    plan = make_plan(_engine_cfg(tmp_path, quant=quant, tp_size=8))
     assert _flags(_step(plan, "target.quantize").argv)["--qformat"] == qformat
 
 
 def test_memory_estimate_70b_fp8(tmp_path):
-    plan = make_plan(_cfg(tmp_path, quant="fp8", tp_size=8, kv_cache_dtype="fp8"))
+    plan = make_plan(_engine_cfg(tmp_path, quant="fp8", tp_size=8, kv_cache_dtype="fp8"))
     target = plan.memory.target
     assert 65 < target.weights_total_gb < 75  # ~70 GB: 1 byte per linear weight + fp16 embedding and lm_head
     embedding_gb = 32000 * 8192 * 2 / GB
@@ -157,7 +180,7 @@ def test_memory_estimate_70b_fp8(tmp_path):
     # KV: 2 x 80 layers x (8 KV heads / 8 ranks) x 128 x 1 byte
     assert target.kv_bytes_per_token == 2 * 80 * 1 * 128 * 1
     assert target.kv_tokens == 8 * 4096  # max_batch_size x max_seq_len (Llama 2 context)
-    fp16 = make_plan(_cfg(tmp_path, tp_size=8)).memory.target
+    fp16 = make_plan(_engine_cfg(tmp_path, tp_size=8)).memory.target
     assert 130 < fp16.weights_total_gb < 145
     # GPU 0 holds a target rank and the whole draft; the other GPUs one target rank each
     gpu0, gpu1 = plan.memory.gpus[0], plan.memory.gpus[1]
@@ -171,7 +194,7 @@ def test_kv_heads_replicate_beyond_their_count():
 
 
 def test_tp_suggestion_for_gpu_memory(tmp_path):
-    fp8 = dict(quant="fp8", draft_quant="fp8", kv_cache_dtype="fp8")
+    fp8 = dict(quant="fp8", draft_quant="fp8", kv_cache_dtype="fp8", trtllm_flow="engine")
     with pytest.raises(GpuMemoryError) as err:
         make_plan(_cfg(tmp_path, tp_size=1, gpu_memory_gb=80, **fp8))
     assert err.value.suggested_tp == 2 and "--tp-size 2" in str(err.value) and err.value.peak_gb > 80
@@ -188,7 +211,7 @@ def test_tp_suggestion_for_gpu_memory(tmp_path):
 
 def test_bad_requests_are_refused(tmp_path):
     with pytest.raises(UsageError, match="2166"):  # int8 KV cache + paged context FMHA
-        make_plan(_cfg(tmp_path, kv_cache_dtype="int8", tp_size=8))
+        make_plan(_engine_cfg(tmp_path, kv_cache_dtype="int8", tp_size=8))
     with pytest.raises(UsageError, match="attention heads do not split over 3"):
         make_plan(_cfg(tmp_path, tp_size=3))
     with pytest.raises(IncompatiblePairError):  # Llama 2 and Llama 3 tokenizers differ
@@ -201,7 +224,7 @@ def test_bad_requests_are_refused(tmp_path):
 
 
 def _written_repo(tmp_path, **kw):
-    cfg = _cfg(tmp_path, quant="fp8", tp_size=8, kv_cache_dtype="fp8", **kw)
+    cfg = _engine_cfg(tmp_path, quant="fp8", tp_size=8, kv_cache_dtype="fp8", **kw)
     plan = make_plan(cfg)
     written = write_plan_repository(plan, cfg)
     return plan, {p.parent.name: read_config(p.parent) for p in written if p.name == "config.pbtxt"}
@@ -299,23 +322,193 @@ def test_template_comparison_catches_drift(tmp_path):
 
 
 def test_llmapi_flow_writes_model_yaml(tmp_path):
-    cfg = _cfg(tmp_path, trtllm_flow="llmapi", quant="fp8", tp_size=8, kv_cache_dtype="fp8")
+    cfg = _cfg(tmp_path, quant="fp8", tp_size=8, kv_cache_dtype="fp8")
     plan = make_plan(cfg)
+    assert plan.flow == "llmapi" and plan.versions == {"tensorrt_llm": ">=1.3.0 (LLM API, PyTorch backend; no engine build)"}
     assert not any(s.argv and s.argv[0] == "trtllm-build" for s in plan.steps)  # no engine build on this path
-    assert _flags(_step(plan, "target.quantize").argv)["--export_format"] == "hf"
+    ptq = _step(plan, "target.quantize")
+    assert ptq.argv[1].endswith("examples/llm_ptq/hf_ptq.py")
+    flags = _flags(ptq.argv)
+    assert set(flags) <= HF_PTQ_FLAGS, set(flags) - HF_PTQ_FLAGS
+    assert flags["--qformat"] == "fp8" and flags["--kv_cache_qformat"] == "fp8" and flags["--inference_tensor_parallel"] == "8"
+    assert "draft.quantize" not in {s.id for s in plan.steps}  # fp16 draft: the KV dtype is a runtime setting here
+    assert plan.draft.tp == 8 and plan.draft.gpus == plan.target.gpus  # the draft runs inside the target's LLM
+
     written = write_plan_repository(plan, cfg)
     model_yaml = yaml.safe_load((tmp_path / "repo" / "tensorrt_llm" / "1" / "model.yaml").read_text())
-    # llmapi/tensorrt_llm/1/model.yaml (@0ebb1536) + DecodingBaseConfig.from_dict (1.2.1 llm_args.py)
-    assert model_yaml["backend"] == "pytorch" and model_yaml["tensor_parallel_size"] == 8
+    assert set(model_yaml) - {"triton_config"} <= LLM_ARGS, set(model_yaml) - LLM_ARGS
+    assert model_yaml["backend"] == "pytorch" and model_yaml["tensor_parallel_size"] == 8 and model_yaml["max_batch_size"] == 8
     assert model_yaml["speculative_config"] == {
         "decoding_type": "DraftTarget", "max_draft_len": 8, "speculative_model": str(Path(plan.draft.artifacts).absolute()),
+        "draft_len_schedule": {1: 8, 4: 4, 8: 2},
     }  # fmt: skip
-    assert set(model_yaml["triton_config"]) == {"max_batch_size", "decoupled"}
+    assert set(model_yaml["speculative_config"]) - {"decoding_type"} <= DECODING_BASE_FIELDS
+    assert model_yaml["triton_config"] == {"max_batch_size": 0, "decoupled": True}
     assert model_yaml["kv_cache_config"]["dtype"] == "fp8"
+    serve = yaml.safe_load((tmp_path / "engines" / plan.name / "trtllm-serve.yaml").read_text())
+    assert serve == {k: v for k, v in model_yaml.items() if k not in ("model", "triton_config")}  # one set of LLM arguments
+    assert any(n.startswith("without Triton: trtllm-serve ") and "--extra_llm_api_options" in n for n in plan.notes)
     config = parse_config((tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt").read_text())
     assert config.backend == "python"
     assert {"text_input", "sampling_param_max_tokens", "streaming"} <= {t.name for t in config.input}
-    assert len(written) == 2
+    assert len(written) == 3
+
+
+def test_cli_plans_the_llmapi_flow_by_default(tmp_path):
+    args = ["build", "--target", "llama-70b", "--draft", "llama-7b", "--backend", "trtllm", "--dry-run",
+            "--repo-dir", str(tmp_path / "repo"), "--engines-dir", str(tmp_path / "engines")]  # fmt: skip
+    result = _specpipe(*args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "flow llmapi" in result.stdout and "trtllm-build" not in result.stdout and "draft_len_schedule" in result.stdout
+    assert {p.name for p in (tmp_path / "repo").iterdir()} == {"tensorrt_llm"}
+    engine = _specpipe(*args, "--trtllm-flow", "engine", "--repo-dir", str(tmp_path / "repo2"), cwd=tmp_path)
+    assert engine.returncode == 0 and "flow engine" in engine.stdout and "trtllm-build" in engine.stdout
+
+
+# ---- the seven defects of issue 15 ----------------------------------------------------------------------------
+
+
+def test_defect1_engine_flow_quantize_passes_no_export_format(tmp_path):
+    """quantize.py @c8c6df08 has no --export_format (and 1.2.1's quantize_and_export takes none)."""
+    plan = make_plan(_engine_cfg(tmp_path, quant="int4-wo", draft_quant="int8", tp_size=4))
+    for role in ("target", "draft"):
+        flags = _flags(_step(plan, f"{role}.quantize").argv)
+        assert "--export_format" not in flags and set(flags) <= QUANTIZE_FLAGS_C8C6DF08, set(flags) - QUANTIZE_FLAGS_C8C6DF08
+
+
+def test_defect2_preprocessing_has_an_empty_multimodal_model_path(tmp_path):
+    """preprocessing/1/model.py @01259b15 reads parameters['multimodal_model_path'] unguarded; "" = none."""
+    _, configs = _written_repo(tmp_path)
+    params = {k: v.string_value for k, v in configs["preprocessing"].parameters.items()}
+    assert params["multimodal_model_path"] == "" and params["tokenizer_dir"]
+
+
+def test_defect3_fp8_kv_cache_only_with_fp8_weights_on_the_engine_flow(tmp_path):
+    """tensorrt_llm/builder.py @14e801da: an fp8 KV cache on non-FP8/W4A8_AWQ/NVFP4 weights turns paged context FMHA off."""
+    with pytest.raises(UsageError, match="--kv-cache-dtype fp8 with --quant int4-wo .* paged context FMHA off"):
+        make_plan(_engine_cfg(tmp_path, quant="int4-wo", kv_cache_dtype="fp8", tp_size=8))
+    plan = make_plan(_engine_cfg(tmp_path, quant="fp8", draft_quant="int8", kv_cache_dtype="fp8", tp_size=8))
+    assert (plan.target.kv_cache_dtype, plan.draft.kv_cache_dtype) == ("fp8", "auto")
+    assert _flags(_step(plan, "target.quantize").argv)["--kv_cache_dtype"] == "fp8"
+    assert "--kv_cache_dtype" not in _flags(_step(plan, "draft.quantize").argv)
+    assert any("the draft keeps a float16 KV cache" in n for n in plan.notes)
+    assert plan.memory.draft.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2  # fp16 KV, 32 layers x 32 KV heads x 128
+    # the PyTorch backend has no such rule: both models keep the fp8 KV cache asked for
+    llmapi = make_plan(_cfg(tmp_path, kv_cache_dtype="fp8", tp_size=8))
+    assert (llmapi.target.kv_cache_dtype, llmapi.draft.kv_cache_dtype) == ("fp8", "fp8")
+
+
+def test_defect4_engines_run_with_chunked_context(tmp_path):
+    """trtGptModel.h @c8c6df08: enable_chunked_context lifts maxInputLen to maxSequenceLen - 1, so the BLS loop's
+    growing re-sent prompt is not refused past max_input_len; it needs paged context FMHA (kept, defect 3)."""
+    plan, configs = _written_repo(tmp_path)
+    for name in ("tensorrt_llm", "tensorrt_llm_draft"):
+        assert configs[name].parameters["enable_chunked_context"].string_value == "true"
+    for role in ("target", "draft"):
+        assert _flags(_step(plan, f"{role}.engine").argv)["--use_paged_context_fmha"] == "enable"
+
+
+def test_defect5_llmapi_config_pbtxt_is_decoupled_like_model_yaml(tmp_path):
+    """launch_triton_server.py @0a2e2c1f passes --disable-auto-complete-config: config.pbtxt must say it itself."""
+    cfg = _cfg(tmp_path, tp_size=8)
+    write_plan_repository(make_plan(cfg), cfg)
+    config = read_config(tmp_path / "repo" / "tensorrt_llm")
+    model_yaml = yaml.safe_load((tmp_path / "repo" / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    assert config.model_transaction_policy.decoupled is True
+    assert config.model_transaction_policy.decoupled == model_yaml["triton_config"]["decoupled"]
+    assert config.max_batch_size == model_yaml["triton_config"]["max_batch_size"]
+
+
+@pytest.mark.parametrize("option", [dict(quant="int8"), dict(quant="int8-wo"), dict(draft_quant="int8"), dict(kv_cache_dtype="int8")])
+def test_defect6_llmapi_flow_refuses_what_the_pytorch_backend_cannot_run(tmp_path, option):
+    """docs/source/features/quantization.md (1.3.0rc27): FP8, NVFP4, W4A16/W4A8 AWQ/GPTQ, FP8/NVFP4 KV; no INT8."""
+    with pytest.raises(UsageError, match="not supported by TensorRT-LLM's PyTorch backend"):
+        make_plan(_cfg(tmp_path, tp_size=8, **option))
+    make_plan(_engine_cfg(tmp_path, tp_size=8, **{k: v for k, v in option.items() if k != "kv_cache_dtype"}))  # the engine flow takes them
+
+
+def test_defect6_refusal_is_one_line_on_the_command_line(tmp_path):
+    args = ["build", "--target", "llama-70b", "--draft", "llama-7b", "--backend", "trtllm", "--quant", "int8", "--tp-size", "8",
+            "--dry-run", "--repo-dir", str(tmp_path / "r"), "--engines-dir", str(tmp_path / "e")]  # fmt: skip
+    result = _specpipe(*args, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "--quant int8 is not supported by TensorRT-LLM's PyTorch backend" in result.stderr and "--trtllm-flow engine" in result.stderr
+
+
+def test_defect7_tensorrt_int8_plan_asks_for_symmetric_activations(tmp_path, smollm2_draft):
+    plan = make_plan(_cfg(tmp_path, backend="tensorrt", target="smollm2-135m", draft=str(smollm2_draft), quant="int8", repo_dir=None))
+    assert _step(plan, "target.quantize").kwargs["symmetric_activations"] is True
+
+
+# ---- in-flight batching: the batch-size-to-draft-length schedule -----------------------------------------------
+
+
+def test_default_draft_len_schedule_shortens_drafts_as_the_batch_grows():
+    from specpipe.gpu.trtllm import check_draft_len_schedule, default_draft_len_schedule
+
+    assert default_draft_len_schedule(8, 8) == {1: 8, 4: 4, 8: 2}
+    assert default_draft_len_schedule(4, 64) == {1: 4, 4: 2, 8: 1, 16: 0}
+    assert default_draft_len_schedule(5, 2) == {1: 5}
+    for k, batch in ((1, 1), (8, 256), (64, 1024)):
+        assert check_draft_len_schedule(default_draft_len_schedule(k, batch), k) == []
+
+
+def test_draft_len_schedule_follows_upstreams_rules(tmp_path):
+    """DecodingBaseConfig.validate_draft_len_schedule_and_sort: {1: max_draft_len} required, lengths 0..max_draft_len."""
+    plan = make_plan(_cfg(tmp_path, tp_size=8, max_batch_size=64, draft_len_schedule={1: 8, 16: 3, 32: 0}))
+    assert any("{1: 8, 16: 3, 32: 0}" in n for n in plan.notes)
+    with pytest.raises(UsageError, match="must map batch size 1 to max_draft_len 8"):
+        make_plan(_cfg(tmp_path, tp_size=8, draft_len_schedule={1: 4}))
+    with pytest.raises(UsageError, match="draft length 9 .* must be in 0..8"):
+        make_plan(_cfg(tmp_path, tp_size=8, draft_len_schedule={1: 8, 4: 9}))
+
+
+def test_an_eagle3_head_gets_eagle3_decoding(tmp_path):
+    head = tmp_path / "eagle3-head"
+    head.mkdir()
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "num_hidden_layers": 1, "vocab_size": 32000, "max_position_embeddings": 4096,
+    }  # fmt: skip
+    (head / "config.json").write_text(json.dumps(config))
+    cfg = _cfg(tmp_path, draft=str(head), tp_size=8, max_batch_size=32)
+    plan = make_plan(cfg)
+    write_plan_repository(plan, cfg)
+    spec = yaml.safe_load((tmp_path / "repo" / "tensorrt_llm" / "1" / "model.yaml").read_text())["speculative_config"]
+    assert spec["decoding_type"] == "Eagle3" and spec["max_concurrency"] == 31 and "draft_len_schedule" not in spec
+    with pytest.raises(UsageError, match="EAGLE-3 head drafts through the LLM-API flow only"):
+        make_plan(_engine_cfg(tmp_path, draft=str(head), tp_size=8))
+
+
+def test_llmapi_flow_refuses_a_separate_draft_gpu(tmp_path):
+    with pytest.raises(UsageError, match="--draft-placement separate needs --trtllm-flow engine"):
+        make_plan(_cfg(tmp_path, tp_size=8, draft_placement="separate"))
+
+
+# ---- upstream facts, pinned --------------------------------------------------------------------------------------
+
+
+def test_upstream_facts_match_the_copies_here():
+    """specpipe/gpu/upstream.py against the values copied in this file from the sources named there."""
+    from specpipe.gpu import upstream
+    from specpipe.triton.trtllm_repo import LLMAPI_INPUTS
+
+    assert upstream.TRTLLM_ENGINE_VERSION == "1.2.1" and upstream.TRTLLM_LLMAPI_MIN_VERSION == "1.3.0"
+    assert set(upstream.TRTLLM_REMOVAL_PRS) == {11723, 15763, 15767, 15907, 15918}
+    assert upstream.LLMAPI_QUANT_MODES == ("none", "fp8", "int4-wo") and upstream.LLMAPI_KV_CACHE_DTYPES == ("auto", "fp8")
+    assert set(upstream.MODELOPT_PTQ_FLAGS) <= HF_PTQ_FLAGS
+    assert set(upstream.MODELOPT_QFORMAT_FOR_MODE.values()) <= HF_PTQ_QFORMATS
+    assert set(upstream.MODELOPT_KV_QFORMAT.values()) <= HF_PTQ_KV_QFORMATS
+    assert upstream.DECODING_TYPES == {"draft_target": "DraftTarget", "eagle3": "Eagle3", "ngram": "NGram"}
+    assert set(upstream.DECODING_BASE_FIELDS) <= DECODING_BASE_FIELDS and set(upstream.LLM_ARGS) <= LLM_ARGS
+    assert set(upstream.QUANTIZE_FLAGS_ENGINE_FLOW) <= QUANTIZE_FLAGS_C8C6DF08
+    assert upstream.FP8_KV_WEIGHT_QUANT == ("fp8",)
+    assert upstream.PREPROCESSING_REQUIRED_PARAMETERS == ("tokenizer_dir", "multimodal_model_path")
+    assert upstream.LAUNCH_DISABLES_AUTO_COMPLETE == "--disable-auto-complete-config"
+    assert upstream.TRTLLM_SERVE_CONFIG_FLAG == "--extra_llm_api_options"
+    served = {t.name: t.data_type for t in LLMAPI_INPUTS}
+    assert {k: served[k] for k in LLMAPI_CLIENT_TENSORS} == LLMAPI_CLIENT_TENSORS
+    assert {k: upstream.LLMAPI_REQUEST_TENSORS[k] for k in LLMAPI_CLIENT_TENSORS} == LLMAPI_CLIENT_TENSORS
 
 
 # ---- the SmolLM2 pair and the tensorrt backend ----------------------------------------------------------
@@ -336,7 +529,7 @@ def smollm2_draft(tmp_path) -> Path:
 
 
 def test_smollm2_trtllm_plan(tmp_path, smollm2_draft):
-    plan = make_plan(_cfg(tmp_path, target="smollm2-135m", draft=str(smollm2_draft), quant="fp8", tp_size=1))
+    plan = make_plan(_engine_cfg(tmp_path, target="smollm2-135m", draft=str(smollm2_draft), quant="fp8", tp_size=1))
     assert plan.draft.shape.layers == 2 and plan.draft.shape.kv_heads == 3
     assert _flags(_step(plan, "target.engine").argv)["--max_seq_len"] == "8192"
     assert plan.memory.target.weights_total_gb < 0.3
@@ -390,8 +583,8 @@ def _specpipe(*args, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_cli_dry_run_prints_plan_and_writes_repo(tmp_path):
-    args = ["build", "--target", "llama-70b", "--draft", "llama-7b", "--backend", "trtllm", "--quant", "fp8", "--tp-size", "8",
-            "--dry-run", "--repo-dir", str(tmp_path / "repo"), "--engines-dir", str(tmp_path / "engines")]  # fmt: skip
+    args = ["build", "--target", "llama-70b", "--draft", "llama-7b", "--backend", "trtllm", "--trtllm-flow", "engine", "--quant", "fp8",
+            "--tp-size", "8", "--dry-run", "--repo-dir", str(tmp_path / "repo"), "--engines-dir", str(tmp_path / "engines")]  # fmt: skip
     text = _specpipe(*args, cwd=tmp_path)
     assert text.returncode == 0, text.stderr
     assert "trtllm-build" in text.stdout and "draft_tokens_external" in text.stdout and "GPU memory" in text.stdout
@@ -404,11 +597,12 @@ def test_cli_dry_run_prints_plan_and_writes_repo(tmp_path):
 def test_cli_real_build_without_gpu_stops_in_one_line(tmp_path):
     args = ["build", "--target", "llama-70b", "--draft", "llama-7b", "--backend", "trtllm", "--tp-size", "8",
             "--repo-dir", str(tmp_path / "repo"), "--engines-dir", str(tmp_path / "engines")]  # fmt: skip
-    result = _specpipe(*args, cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
-    assert "a CUDA GPU" in result.stderr and "tensorrt-llm==1.2.1" in result.stderr
-    assert not (tmp_path / "engines").exists() and not (tmp_path / "repo").exists()
+    for flow, wanted in (("engine", "tensorrt-llm==1.2.1"), ("llmapi", "tensorrt-llm>=1.3.0")):
+        result = _specpipe(*args, "--trtllm-flow", flow, "--quant", "fp8", cwd=tmp_path)
+        assert result.returncode == 2
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+        assert "a CUDA GPU" in result.stderr and wanted in result.stderr, result.stderr
+        assert not (tmp_path / "engines").exists() and not (tmp_path / "repo").exists()
 
 
 def test_cli_gpu_memory_error_is_one_line(tmp_path):
@@ -419,7 +613,7 @@ def test_cli_gpu_memory_error_is_one_line(tmp_path):
 
 
 def test_render_plan_lists_every_file(tmp_path):
-    plan = make_plan(_cfg(tmp_path, quant="fp8", tp_size=4))
+    plan = make_plan(_engine_cfg(tmp_path, quant="fp8", tp_size=4))
     text = render_plan(plan)
     for path in plan.files:
         assert path in text

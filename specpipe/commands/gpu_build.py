@@ -38,6 +38,8 @@ _OPTIONS = [
                  show_default=True, help=field_help(GpuBuildConfig, "dtype")),
     click.option("--trtllm-checkout", type=click.Path(path_type=Path), default=field_default(GpuBuildConfig, "trtllm_checkout"),
                  show_default=True, help=field_help(GpuBuildConfig, "trtllm_checkout")),
+    click.option("--modelopt-checkout", type=click.Path(path_type=Path), default=field_default(GpuBuildConfig, "modelopt_checkout"),
+                 show_default=True, help=field_help(GpuBuildConfig, "modelopt_checkout")),
     click.option("--dry-run", is_flag=True, help="GPU backends: print the plan and write the Triton repository; build nothing."),
 ]
 # Offered here only when the build command does not declare them itself (the quantization options).
@@ -50,7 +52,7 @@ _QUANT_OPTIONS = {
                                    help="KV cache precision."),
 }  # fmt: skip
 _GPU_KEYS = ("backend", "trtllm_flow", "tp_size", "draft_tp_size", "draft_placement", "gpu_memory_gb", "max_batch_size",
-             "max_input_len", "max_seq_len", "dtype", "trtllm_checkout", "dry_run")  # fmt: skip
+             "max_input_len", "max_seq_len", "dtype", "trtllm_checkout", "modelopt_checkout", "dry_run")  # fmt: skip
 
 
 def gpu_options(command):

@@ -20,10 +20,16 @@ from specpipe.gpu.tensorrt_build import PLAN_FILE, optimization_profiles
 from specpipe.gpu.trtllm import (
     Limits,
     ModelJob,
+    check_draft_len_schedule,
+    default_draft_len_schedule,
     engine_flow_steps,
+    engine_kv_cache_dtype,
+    is_eagle3_head,
     llmapi_model_yaml,
     llmapi_quantize_step,
     serve_command,
+    trtllm_serve_command,
+    trtllm_serve_config,
 )
 
 DEFAULT_MAX_SEQ_LEN = 8192  # cap on the target's context when --max-seq-len is not given
@@ -31,6 +37,7 @@ SHARED_KV_FRACTION = 0.45  # each of two models on one GPU: whichever loads firs
 ALONE_KV_FRACTION = 0.9  # tensorrtllm_backend's default (docs/model_config.md)
 TP_CANDIDATES = (1, 2, 4, 8)  # one 8-GPU node: tensor parallelism wants NVLink between its ranks
 PLAN_JSON = "gpu_plan.json"
+SERVE_CONFIG = "trtllm-serve.yaml"  # llmapi flow: trtllm-serve's --extra_llm_api_options file, in the work folder
 
 
 class GpuMemoryError(UsageError):
@@ -89,6 +96,10 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
     """Check the request against the models, the upstream tools and the GPU memory, then lay out the steps."""
     target, draft = resolve_shape(cfg.target), resolve_shape(cfg.draft)
     notes = _check_pair(target, draft)
+    if cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi" and cfg.draft_tp_size != cfg.tp_size:
+        # the LLM API loads the draft into the target's executor, split over the same GPUs
+        notes.append(f"the draft runs inside the target's LLM on its {cfg.tp_size} GPU(s) (tp {cfg.tp_size}), not --draft-tp-size {cfg.draft_tp_size}")
+        cfg = cfg.model_copy(update={"draft_tp_size": cfg.tp_size})
     _check_options(cfg, target, draft)
     max_seq_len = cfg.max_seq_len or min(target.context_length, DEFAULT_MAX_SEQ_LEN)
     if cfg.max_input_len >= max_seq_len:
@@ -108,11 +119,12 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
     target_gpus = tuple(range(cfg.tp_size))
     first_draft = 0 if shared else cfg.tp_size
     draft_gpus = tuple(range(first_draft, first_draft + cfg.draft_tp_size))
+    target_kv, draft_kv = _kv_cache_dtypes(cfg, notes)
     jobs = [
-        ModelJob("target", target, work / "hf" / "target", cfg.quant, cfg.kv_cache_dtype, cfg.tp_size, target_gpus, work / "trtllm" / "target"),
-        ModelJob("draft", draft, work / "hf" / "draft", cfg.draft_quant, cfg.kv_cache_dtype, cfg.draft_tp_size, draft_gpus, work / "trtllm" / "draft"),
+        ModelJob("target", target, work / "hf" / "target", cfg.quant, target_kv, cfg.tp_size, target_gpus, work / "trtllm" / "target"),
+        ModelJob("draft", draft, work / "hf" / "draft", cfg.draft_quant, draft_kv, cfg.draft_tp_size, draft_gpus, work / "trtllm" / "draft"),
     ]  # fmt: skip
-    memory = plan_memory(cfg, target, draft, max_seq_len)
+    memory = plan_memory(cfg, target, draft, max_seq_len, kv_cache_dtypes=(target_kv, draft_kv))
     _check_fits(cfg, target, draft, max_seq_len, memory, notes)
 
     repo = Path(cfg.repo_dir) if cfg.repo_dir is not None else None
@@ -129,7 +141,20 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
         if flow == "engine":
             steps += engine_flow_steps(jobs, limits, Path(cfg.trtllm_checkout))
         else:
-            steps += [s for s in (llmapi_quantize_step(job, limits, Path(cfg.trtllm_checkout)) for job in jobs) if s]
+            steps += [s for s in (llmapi_quantize_step(job, limits, Path(cfg.modelopt_checkout)) for job in jobs) if s]
+            steps.append(
+                Step(
+                    id="serve_config", title="write trtllm-serve's LLM-API YAML (speculative_config, in-flight batching)",
+                    kind="write", writes=(str(work / SERVE_CONFIG),), source="specpipe/gpu/trtllm.py LlmApiArgs",
+                )  # fmt: skip
+            )
+            steps.append(
+                Step(
+                    id="llm_args", title="validate that YAML with the installed TensorRT-LLM's own TorchLlmArgs",
+                    kind="python", call="tensorrt_llm.llmapi.llm_args.TorchLlmArgs", kwargs={"config": str(work / SERVE_CONFIG)},
+                    needs=("tensorrt_llm",), source="tensorrt_llm/llmapi/llm_args.py",
+                )  # fmt: skip
+            )
         repository = []
         if repo is not None:
             steps_repo, repository = _repository_steps(cfg, jobs, limits, work, repo, kv_fraction)
@@ -140,12 +165,25 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
                 "speculative requests go to tensorrt_llm_bls with num_draft_tokens > 0 and stream false (upstream's BLS"
                 " refuses streaming with speculation); `ensemble` serves the target alone"
             )
+            notes.append(
+                f"in-flight batching: up to {cfg.max_batch_size} requests per engine; TensorRT-LLM {upstream.TRTLLM_ENGINE_VERSION}'s"
+                " draft-target path has no batch-size schedule: clients choose num_draft_tokens per request"
+            )
+        else:
+            schedule = draft_len_schedule(cfg)
+            if is_eagle3_head(draft):
+                notes.append("the draft is an EAGLE-3 head: speculative_config is Eagle3 (speculation off where the schedule reaches 0)")
+            notes.append(
+                f"in-flight batching: up to {cfg.max_batch_size} requests; draft length by batch size {schedule}"
+                " (speculative_config.draft_len_schedule)"
+            )
+            notes.append("without Triton: " + " ".join(trtllm_serve_command(_llmapi_target_dir(jobs[0]), work / SERVE_CONFIG)))
     steps.append(
         Step(id="plan", title="record the plan", kind="write", writes=(str(work / PLAN_JSON),), source="specpipe")
     )
     versions = {"tensorrt_llm": upstream.TRTLLM_ENGINE_VERSION if cfg.backend == "trtllm" else "-", "tensorrt": f">={upstream.TENSORRT_MIN_VERSION}"}
     if cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi":
-        versions["tensorrt_llm"] = f">={upstream.TRTLLM_ENGINE_VERSION} (LLM API; no engine build)"
+        versions = {"tensorrt_llm": f">={upstream.TRTLLM_LLMAPI_MIN_VERSION} (LLM API, PyTorch backend; no engine build)"}
     return Plan(
         backend=cfg.backend, flow=flow, name=name, work_dir=str(work), repo_dir=str(repo) if repo else None,
         versions=versions,
@@ -156,22 +194,31 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
     )  # fmt: skip
 
 
-def plan_memory(cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape, max_seq_len: int, *, tp_size: Optional[int] = None) -> MemoryPlan:
+def plan_memory(
+    cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape, max_seq_len: int, *, tp_size: Optional[int] = None,
+    kv_cache_dtypes: Optional[tuple[str, str]] = None,
+) -> MemoryPlan:
     tp = tp_size or cfg.tp_size
+    kv_dtypes = dict(zip(("target", "draft"), kv_cache_dtypes or _kv_cache_dtypes(cfg, [])))
     kv_tokens = cfg.max_batch_size * max_seq_len
     onnx_qdq = cfg.backend == "tensorrt"  # a Q/DQ graph keeps its other ops (and KV) in fp32
 
     def one(role: str, shape: ModelShape, quant: str, model_tp: int):
         dtype_bytes = 4 if onnx_qdq and quant != "none" else 2
         return model_memory(
-            role, shape, quant=quant, kv_cache_dtype=cfg.kv_cache_dtype, tp=model_tp, kv_tokens=kv_tokens,
+            role, shape, quant=quant, kv_cache_dtype=kv_dtypes[role], tp=model_tp, kv_tokens=kv_tokens,
             separate_lm_head=cfg.backend == "trtllm", dtype_bytes=dtype_bytes,
         )  # fmt: skip
 
     return place(
-        one("target", target, cfg.quant, tp), one("draft", draft, cfg.draft_quant, cfg.draft_tp_size),
+        one("target", target, cfg.quant, tp), one("draft", draft, cfg.draft_quant, tp if _draft_follows_target(cfg) else cfg.draft_tp_size),
         shared=cfg.draft_placement == "shared", gpu_memory_gb=cfg.gpu_memory_gb,
     )  # fmt: skip
+
+
+def _draft_follows_target(cfg: GpuBuildConfig) -> bool:
+    """The LLM API runs the draft inside the target's executor, with the target's tensor parallel split."""
+    return cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi"
 
 
 def suggest_tp(cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape, max_seq_len: int) -> Optional[tuple[int, float]]:
@@ -243,18 +290,64 @@ def _check_options(cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape) -
                 )
         if cfg.kv_cache_dtype != "auto":
             problems.append("the tensorrt backend keeps the KV cache in the graph's dtype; --kv-cache-dtype needs --backend trtllm")
+    elif cfg.trtllm_flow == "llmapi":
+        if cfg.draft_placement == "separate":
+            problems.append("--draft-placement separate needs --trtllm-flow engine: the LLM API runs the draft inside the target's LLM")
+        # TensorRT-LLM's PyTorch backend runs FP8, NVFP4 and W4A16/W4A8 weights and an FP8/NVFP4 KV cache; no INT8
+        for flag, mode in (("--quant", cfg.quant), ("--draft-quant", cfg.draft_quant)):
+            if mode not in upstream.LLMAPI_QUANT_MODES:
+                problems.append(
+                    f"{flag} {mode} is not supported by TensorRT-LLM's PyTorch backend (LLM-API flow): use"
+                    f" {' or '.join(m for m in upstream.LLMAPI_QUANT_MODES if m != 'none')}, or --trtllm-flow engine"
+                )
+        if cfg.kv_cache_dtype not in upstream.LLMAPI_KV_CACHE_DTYPES:
+            problems.append(f"--kv-cache-dtype {cfg.kv_cache_dtype} is not supported by TensorRT-LLM's PyTorch backend: use fp8")
+        problems += check_draft_len_schedule(draft_len_schedule(cfg), cfg.max_draft_len)
     else:
         if cfg.kv_cache_dtype == "int8":
             problems.append(
                 "--kv-cache-dtype int8 cannot be used with paged context FMHA, which draft-target decoding needs"
                 " (NVIDIA/TensorRT-LLM issue 2166); use fp8"
             )
+        if cfg.kv_cache_dtype == "fp8" and cfg.quant not in upstream.FP8_KV_WEIGHT_QUANT:
+            problems.append(
+                f"--kv-cache-dtype fp8 with --quant {cfg.quant} would make TensorRT-LLM {upstream.TRTLLM_ENGINE_VERSION}'s builder"
+                " turn paged context FMHA off (it keeps an fp8 KV cache only with fp8 weights): use --quant fp8, or the LLM-API flow"
+            )
+    if cfg.backend == "trtllm":
+        if cfg.trtllm_flow == "engine" and is_eagle3_head(draft):
+            problems.append("an EAGLE-3 head drafts through the LLM-API flow only; drop --trtllm-flow engine")
         for role, shape, tp in (("target", target, cfg.tp_size), ("draft", draft, cfg.draft_tp_size)):
             why = valid_tp(shape, tp)
             if why:
                 problems.append(f"{role} {shape.spec}: {why}")
     if problems:
         raise UsageError("; ".join(problems))
+
+
+def draft_len_schedule(cfg: GpuBuildConfig) -> dict[int, int]:
+    return dict(sorted((cfg.draft_len_schedule or default_draft_len_schedule(cfg.max_draft_len, cfg.max_batch_size)).items()))
+
+
+def _kv_cache_dtypes(cfg: GpuBuildConfig, notes: list) -> tuple[str, str]:
+    """(target, draft) KV cache dtypes. The engine flow keeps an fp8 KV cache only where the weights are fp8
+    (engine_kv_cache_dtype); the target's case was refused in _check_options, the draft's is said here."""
+    if cfg.backend != "trtllm" or cfg.trtllm_flow != "engine":
+        return cfg.kv_cache_dtype, cfg.kv_cache_dtype
+    target_kv = engine_kv_cache_dtype(cfg.quant, cfg.kv_cache_dtype)
+    draft_kv = engine_kv_cache_dtype(cfg.draft_quant, cfg.kv_cache_dtype)
+    if draft_kv != cfg.kv_cache_dtype:
+        notes.append(
+            f"the draft keeps a {cfg.dtype} KV cache: an fp8 KV cache without fp8 weights (--draft-quant {cfg.draft_quant})"
+            " would turn its paged context FMHA off"
+        )
+    return target_kv, draft_kv
+
+
+def _llmapi_target_dir(job: ModelJob) -> Path:
+    from specpipe.gpu.trtllm import llmapi_model_dir
+
+    return llmapi_model_dir(job)
 
 
 def _resolve_steps(cfg: GpuBuildConfig, work: Path) -> list[Step]:
@@ -318,7 +411,9 @@ def _tensorrt_steps(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, w
                 Step(
                     id=f"{job.role}.quantize", title=f"{job.quant} Q/DQ graph with calibrated scales", kind="python",
                     call="specpipe.quantize.static.quantize_calibrated",
-                    kwargs={"model": str(graph), "out_dir": str(qdq), "mode": job.quant}, writes=(str(qdq / "model.onnx"),),
+                    # TensorRT's quantize layer takes symmetric (zero-point 0) activations only (defect 7)
+                    kwargs={"model": str(graph), "out_dir": str(qdq), "mode": job.quant, "symmetric_activations": True},
+                    writes=(str(qdq / "model.onnx"),),
                     source="specpipe/quantize/static.py",
                 )  # fmt: skip
             )
@@ -373,6 +468,7 @@ def _repository_steps(
     templates = Path(cfg.trtllm_checkout) / (
         upstream.LLMAPI_TEMPLATES_DIR if cfg.trtllm_flow == "llmapi" else upstream.TRITON_TEMPLATES_DIR
     )
+    pinned = upstream.TRTLLM_ENGINE_TAG if cfg.trtllm_flow == "engine" else f">= v{upstream.TRTLLM_LLMAPI_MIN_VERSION}"
     steps = [
         Step(
             id="repository", title=f"write the Triton repository ({', '.join(m.name for m in models)})", kind="write",
@@ -381,13 +477,13 @@ def _repository_steps(
         Step(
             id="repository.check", title="compare its tensors with the pinned checkout's templates", kind="python",
             call="specpipe.triton.trtllm_repo.compare_with_templates", kwargs={"templates_dir": str(templates)},
-            needs=("trtllm-checkout",), source=f"NVIDIA/TensorRT-LLM {upstream.TRTLLM_ENGINE_TAG} {templates.relative_to(cfg.trtllm_checkout)}",
+            needs=("trtllm-checkout",), source=f"NVIDIA/TensorRT-LLM {pinned} {templates.relative_to(cfg.trtllm_checkout)}",
         ),  # fmt: skip
         Step(
             id="repository.model_py", title="copy the Python models' code from the pinned checkout", kind="python",
             call="specpipe.triton.trtllm_repo.copy_upstream_model_files", kwargs={"checkout": str(cfg.trtllm_checkout)},
             writes=tuple(str(f) for f in copied), needs=("trtllm-checkout",),
-            source=f"NVIDIA/TensorRT-LLM {upstream.TRTLLM_ENGINE_TAG} {templates.relative_to(cfg.trtllm_checkout)}",
+            source=f"NVIDIA/TensorRT-LLM {pinned} {templates.relative_to(cfg.trtllm_checkout)}",
         ),  # fmt: skip
     ]
     return steps, files
@@ -399,7 +495,10 @@ def repository_models(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits,
     if cfg.backend != "trtllm":
         return []
     if cfg.trtllm_flow == "llmapi":
-        return trtllm_repo.llmapi_models()
+        from specpipe.gpu.trtllm import TritonSpec
+
+        triton = TritonSpec()  # the same object writes model.yaml's triton_config
+        return trtllm_repo.llmapi_models(max_batch_size=triton.max_batch_size, decoupled=triton.decoupled)
     target, draft = jobs
     settings = trtllm_repo.TrtllmRepoSettings(
         max_batch_size=limits.max_batch_size, tokenizer_dir=str((work / "tokenizer").absolute()),
@@ -424,9 +523,26 @@ def write_plan_repository(plan: Plan, cfg: GpuBuildConfig) -> list[Path]:
     kv_fraction = cfg.kv_cache_free_gpu_mem_fraction or (SHARED_KV_FRACTION if cfg.draft_placement == "shared" else ALONE_KV_FRACTION)
     models = repository_models(cfg, jobs, limits, Path(plan.work_dir), kv_fraction)
     model_yaml = None
+    written = []
     if cfg.trtllm_flow == "llmapi":
-        model_yaml = llmapi_model_yaml(jobs[0], jobs[1], limits, kv_fraction).to_yaml()
-    return trtllm_repo.write_repository(models, Path(plan.repo_dir), model_yaml=model_yaml)
+        schedule = draft_len_schedule(cfg)
+        model_yaml = llmapi_model_yaml(jobs[0], jobs[1], limits, kv_fraction, schedule).to_yaml()
+        written.append(write_serve_config(plan, cfg))
+    return trtllm_repo.write_repository(models, Path(plan.repo_dir), model_yaml=model_yaml) + written
+
+
+def write_serve_config(plan: Plan, cfg: GpuBuildConfig) -> Path:
+    """trtllm-serve's YAML: the same LLM arguments as model.yaml, less the model (trtllm-serve's argument)."""
+    jobs = _jobs_from_plan(plan)
+    limits = Limits(
+        dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, max_input_len=cfg.max_input_len,
+        max_seq_len=int(plan.limits["max_seq_len"]), max_draft_len=cfg.max_draft_len, calib_size=cfg.calib_size,
+    )  # fmt: skip
+    kv_fraction = cfg.kv_cache_free_gpu_mem_fraction or (SHARED_KV_FRACTION if cfg.draft_placement == "shared" else ALONE_KV_FRACTION)
+    path = Path(plan.work_dir) / SERVE_CONFIG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(trtllm_serve_config(jobs[0], jobs[1], limits, kv_fraction, draft_len_schedule(cfg)).to_yaml(exclude=("model",)))
+    return path
 
 
 def _jobs_from_plan(plan: Plan) -> list[ModelJob]:

@@ -37,20 +37,32 @@ def missing_requirements(plan: Plan, cfg: GpuBuildConfig) -> list[str]:
         missing.append(f"the tensorrt package (>= {upstream.TENSORRT_MIN_VERSION})")
     if "tensorrt_llm" in needs:
         found = _version("tensorrt-llm")
-        wanted = upstream.TRTLLM_ENGINE_VERSION
-        if found is None:
-            missing.append(f"tensorrt-llm=={wanted}")
-        elif plan.flow == "engine" and found != wanted:
-            missing.append(f"tensorrt-llm=={wanted} (found {found}; the TensorRT engine path was removed after {upstream.TRTLLM_LAST_ENGINE_RC})")
+        if plan.flow == "engine":
+            wanted = f"tensorrt-llm=={upstream.TRTLLM_ENGINE_VERSION}"
+            if found is None:
+                missing.append(wanted)
+            elif found != upstream.TRTLLM_ENGINE_VERSION:
+                missing.append(f"{wanted} (found {found}; the TensorRT engine path was removed after {upstream.TRTLLM_LAST_ENGINE_RC})")
+        else:
+            wanted = f"tensorrt-llm>={upstream.TRTLLM_LLMAPI_MIN_VERSION}"
+            if found is None:
+                missing.append(wanted)
+            elif not _at_least(found, upstream.TRTLLM_LLMAPI_MIN_VERSION):
+                missing.append(f"{wanted} (found {found}; or use --trtllm-flow engine with {upstream.TRTLLM_ENGINE_VERSION})")
     if "trtllm-build" in needs and shutil.which(upstream.TRTLLM_BUILD) is None:
         missing.append("trtllm-build on PATH")
     if "modelopt" in needs and importlib.util.find_spec("modelopt") is None:
         missing.append("nvidia-modelopt")
+    if "modelopt-checkout" in needs:
+        script = Path(cfg.modelopt_checkout) / upstream.MODELOPT_PTQ_SCRIPT
+        if not script.is_file():
+            missing.append(f"a NVIDIA/Model-Optimizer checkout in {cfg.modelopt_checkout} (--modelopt-checkout; no {script})")
     if "trtllm-checkout" in needs:
         checkout = Path(cfg.trtllm_checkout)
         probe = checkout / (upstream.QUANTIZE_SCRIPT if plan.flow == "engine" else upstream.LLMAPI_TEMPLATES_DIR)
         if not probe.exists():
-            missing.append(f"a NVIDIA/TensorRT-LLM checkout at {upstream.TRTLLM_ENGINE_TAG} in {checkout} (--trtllm-checkout; no {probe})")
+            tag = upstream.TRTLLM_ENGINE_TAG if plan.flow == "engine" else f"a >= v{upstream.TRTLLM_LLMAPI_MIN_VERSION} tag"
+            missing.append(f"a NVIDIA/TensorRT-LLM checkout at {tag} in {checkout} (--trtllm-checkout; no {probe})")
     return missing
 
 
@@ -135,7 +147,7 @@ def _quantize(step, plan, cfg, context, work):
     untie_lm_head(model)
     quantize_calibrated(
         model, Path(step.kwargs["out_dir"]), mode=quant.mode, calib=calibration_batches(tokenizer, quant),
-        window=quant.calib_window, smooth_quant=False,
+        window=quant.calib_window, smooth_quant=False, symmetric_activations=bool(step.kwargs.get("symmetric_activations")),
     )  # fmt: skip
 
 
@@ -215,6 +227,32 @@ def _model_py(step, plan, cfg, context, work):
     copy_upstream_model_files(repo, Path(step.kwargs["checkout"]), plan.flow, names)
 
 
+def _serve_config(step, plan, cfg, context, work):
+    from specpipe.gpu.plan import write_serve_config
+
+    write_serve_config(plan, cfg)
+
+
+def _llm_args(step, plan, cfg, context, work):
+    """The installed TensorRT-LLM's own validation of the LLM arguments (unknown or bad fields fail here, not at serve time)."""
+    import yaml
+    from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
+
+    from specpipe.gpu.trtllm import llmapi_model_dir
+
+    target = next(job for job in _jobs(plan) if job.role == "target")
+    try:
+        TorchLlmArgs(model=str(llmapi_model_dir(target).absolute()), **yaml.safe_load(Path(step.kwargs["config"]).read_text()))
+    except Exception as err:
+        raise EngineError(f"TensorRT-LLM refuses {step.kwargs['config']}: {type(err).__name__}: {' '.join(str(err).split())}") from None
+
+
+def _jobs(plan):
+    from specpipe.gpu.plan import _jobs_from_plan
+
+    return _jobs_from_plan(plan)
+
+
 def _plan_json(step, plan, cfg, context, work):
     work.mkdir(parents=True, exist_ok=True)
     (work / PLAN_JSON).write_text(plan.model_dump_json(indent=2) + "\n")
@@ -233,6 +271,8 @@ _HANDLERS = {
     "check": _repository_check,
     "model_py": _model_py,
     "plan": _plan_json,
+    "serve_config": _serve_config,
+    "llm_args": _llm_args,
 }
 
 
@@ -243,6 +283,12 @@ def _cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:
         return False
+
+
+def _at_least(found: str, wanted: str) -> bool:
+    from packaging.version import Version
+
+    return Version(found) >= Version(wanted)
 
 
 def _version(dist: str) -> Optional[str]:

@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict
 
 # What a step needs on the machine that runs it (specpipe/gpu/env.py checks each key).
-Need = Literal["cuda", "tensorrt", "tensorrt_llm", "trtllm-build", "trtllm-checkout", "modelopt", "hub"]
+Need = Literal["cuda", "tensorrt", "tensorrt_llm", "trtllm-build", "trtllm-checkout", "modelopt", "modelopt-checkout", "hub"]
 
 
 class Step(BaseModel):

@@ -1,23 +1,28 @@
 """`--backend trtllm`: TensorRT-LLM's steps for a draft/target pair, as plan data.
 
-Engine flow (TensorRT-LLM 1.2.1, the last stable release with TensorRT engines; specpipe/gpu/upstream.py):
+LLM-API flow (the default; TensorRT-LLM >= 1.3, whose only execution backend is PyTorch; no engine build):
 
-    checkpoint   convert_checkpoint.py (no quantization) or quantize.py (ModelOpt: fp8, int8_sq,
-                 int4_awq, int8_wo, and/or an fp8 KV cache), --tp_size fixing the tensor parallel split
+    quantize     ModelOpt PTQ (Model-Optimizer examples/llm_ptq/hf_ptq.py) to a quantized Hugging Face folder,
+                 for the modes the PyTorch backend runs (fp8, int4-wo = W4A16 AWQ); nothing else is offered
+    serve        `LLM(model, speculative_config=...)`: DraftTarget for a draft model, Eagle3 for an EAGLE-3 head,
+                 configured once as typed YAML for trtllm-serve and for Triton's llmapi model (model.yaml)
+
+Engine flow (`--trtllm-flow engine`, TensorRT-LLM 1.2.1, the last stable release with TensorRT engines):
+
+    checkpoint   convert_checkpoint.py (no quantization) or quantize.py (ModelOpt: fp8, int8_sq, int4_awq,
+                 int8_wo, and/or an fp8 KV cache), --tp_size fixing the tensor parallel split
     engine       trtllm-build; the target with --speculative_decoding_mode draft_tokens_external and
-                 --max_draft_len K; both with paged context FMHA (KV-cache reuse needs it)
+                 --max_draft_len K; both with paged context FMHA (KV-cache reuse and chunked context need it)
     serve        tensorrtllm_backend: the BLS model runs the draft, then the target on the drafts
 
-LLM-API flow (the forward path; no engine build): the target and draft Hugging Face folders, optionally
-quantized by quantize.py --export_format hf, loaded by `LLM(model, speculative_config=
-DraftTargetDecodingConfig(...))` inside Triton's `llmapi` model, configured by a model.yaml.
+Every upstream name used here is in specpipe/gpu/upstream.py with the file and commit it was read in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,7 +31,7 @@ from specpipe.gpu.shapes import ModelShape
 from specpipe.gpu.steps import Step
 
 # trtllm-build's own default (gh-pages 1.2.1/commands/trtllm-build.html); raised to max_input_len so a
-# whole prompt fits one context step without chunking.
+# whole prompt fits one context step.
 DEFAULT_MAX_NUM_TOKENS = 8192
 
 
@@ -88,7 +93,7 @@ def checkpoint_step(job: ModelJob, limits: Limits, checkout: Path) -> Step:
             kind="command", argv=argv, writes=(str(job.checkpoint_dir),), needs=("cuda", "tensorrt_llm", "trtllm-checkout"),
             gpu=True, source=f"NVIDIA/TensorRT-LLM {upstream.TRTLLM_ENGINE_TAG} {upstream.CONVERT_CHECKPOINT_LLAMA}",
         )  # fmt: skip
-    argv = _quantize_argv(job, limits, checkout, export_format="tensorrt_llm", out=job.checkpoint_dir) + ("--tp_size", str(job.tp), "--pp_size", "1")
+    argv = _quantize_argv(job, limits, checkout)
     return Step(
         id=f"{job.role}.quantize", title=f"quantize the {job.role} with ModelOpt ({_quant_label(job)}, tp {job.tp})",
         kind="command", argv=argv, writes=(str(job.checkpoint_dir),), needs=("cuda", "tensorrt_llm", "modelopt", "trtllm-checkout"),
@@ -96,15 +101,26 @@ def checkpoint_step(job: ModelJob, limits: Limits, checkout: Path) -> Step:
     )  # fmt: skip
 
 
-def _quantize_argv(job: ModelJob, limits: Limits, checkout: Path, *, export_format: str, out: Path) -> tuple[str, ...]:
+def _quantize_argv(job: ModelJob, limits: Limits, checkout: Path) -> tuple[str, ...]:
+    """quantize.py writing a TensorRT-LLM checkpoint: its default output, so no --export_format (a flag
+    1.2.1's quantize_and_export does not take; upstream.QUANTIZE_FLAGS_ENGINE_FLOW)."""
     argv = (
         "python3", str(checkout / upstream.QUANTIZE_SCRIPT), "--model_dir", str(job.hf_dir), "--dtype", limits.dtype,
-        "--qformat", qformat(job.quant), "--calib_size", str(limits.calib_size), "--output_dir", str(out),
-        "--export_format", export_format,
+        "--qformat", qformat(job.quant), "--calib_size", str(limits.calib_size), "--output_dir", str(job.checkpoint_dir),
+        "--tp_size", str(job.tp), "--pp_size", "1",
     )  # fmt: skip
     if job.kv_cache_dtype != "auto":
         argv += ("--kv_cache_dtype", job.kv_cache_dtype)
     return argv
+
+
+def engine_kv_cache_dtype(quant: str, kv_cache_dtype: str) -> str:
+    """A model's KV cache dtype on the engine flow: 1.2.1's builder turns paged context FMHA off for an fp8 KV
+    cache unless the weights are FP8 / W4A8_AWQ / NVFP4 (upstream.FP8_KV_WEIGHT_QUANT), so such a model keeps
+    the model dtype's KV cache instead."""
+    if kv_cache_dtype == "fp8" and quant not in upstream.FP8_KV_WEIGHT_QUANT:
+        return "auto"
+    return kv_cache_dtype
 
 
 def qformat(quant: str) -> str:
@@ -122,7 +138,8 @@ def build_step(job: ModelJob, limits: Limits) -> Step:
         upstream.TRTLLM_BUILD,
         "--checkpoint_dir", str(job.checkpoint_dir), "--output_dir", str(job.engine_dir),
         "--gemm_plugin", "auto",
-        # KV-cache reuse (the draft-target loop re-feeds accepted tokens) needs paged context FMHA
+        # KV-cache reuse and chunked context (the draft-target loop re-feeds the whole sequence) need paged
+        # context FMHA; engine_kv_cache_dtype keeps the builder from turning it off again
         "--use_paged_context_fmha", "enable",
         "--max_batch_size", str(limits.max_batch_size), "--max_input_len", str(limits.max_input_len),
         "--max_seq_len", str(limits.max_seq_len), "--max_num_tokens", str(max(DEFAULT_MAX_NUM_TOKENS, limits.max_input_len)),
@@ -148,14 +165,14 @@ def engine_flow_steps(jobs: list[ModelJob], limits: Limits, checkout: Path) -> l
 
 
 def serve_command(repo_dir: Path, checkout: Path, flow: str) -> tuple[str, ...]:
-    """How to start the server on the GPU machine (printed; specpipe serve runs the CPU repository).
+    """How to start Triton on the GPU machine (printed; specpipe serve runs the CPU repository).
 
     --multi-model runs each TensorRT-LLM model in its own spawned processes, so several models with
     their own tensor parallel sizes share one server; it requires --world_size 1
     (triton_backend/scripts/launch_triton_server.py @0a2e2c1f).
     """
-    script = str(checkout / "triton_backend/scripts/launch_triton_server.py")
-    if flow == "llmapi":  # tensorrtllm_backend docs/llmapi.md ("Launch server")
+    script = str(checkout / upstream.LAUNCH_SCRIPT)
+    if flow == "llmapi":  # the llmapi model starts its own workers for tensor parallelism
         return ("python3", script, f"--model_repo={repo_dir}")
     return (
         "python3", script, f"--model_repo={repo_dir}", "--multi-model", "--world_size=1",
@@ -166,20 +183,59 @@ def serve_command(repo_dir: Path, checkout: Path, flow: str) -> tuple[str, ...]:
 # ---- LLM-API flow ----------------------------------------------------------------------------------------
 
 
-def llmapi_quantize_step(job: ModelJob, limits: Limits, checkout: Path) -> Optional[Step]:
-    """A quantized Hugging Face folder for the PyTorch backend (quantize.py --export_format hf)."""
-    if not needs_modelopt(job):
+def llmapi_needs_ptq(job: ModelJob) -> bool:
+    """The PyTorch backend quantizes the KV cache itself (KvCacheConfig.dtype); weights need ModelOpt PTQ."""
+    return job.quant != "none"
+
+
+def llmapi_quantize_step(job: ModelJob, limits: Limits, modelopt_checkout: Path) -> Optional[Step]:
+    """A quantized (unified) Hugging Face folder for the PyTorch backend, from ModelOpt's hf_ptq.py."""
+    if not llmapi_needs_ptq(job):
         return None
+    argv = (
+        "python3", str(modelopt_checkout / upstream.MODELOPT_PTQ_SCRIPT), "--pyt_ckpt_path", str(job.hf_dir),
+        "--qformat", upstream.MODELOPT_QFORMAT_FOR_MODE[job.quant],
+        "--kv_cache_qformat", upstream.MODELOPT_KV_QFORMAT[job.kv_cache_dtype],
+        "--calib_size", str(limits.calib_size), "--export_path", str(job.hf_export_dir),
+        "--inference_tensor_parallel", str(job.tp),
+    )  # fmt: skip
     return Step(
-        id=f"{job.role}.quantize", title=f"quantize the {job.role} with ModelOpt ({_quant_label(job)}) as a Hugging Face folder",
-        kind="command", argv=_quantize_argv(job, limits, checkout, export_format="hf", out=job.hf_export_dir),
-        writes=(str(job.hf_export_dir),), needs=("cuda", "tensorrt_llm", "modelopt", "trtllm-checkout"), gpu=True,
-        source=f"NVIDIA/TensorRT-LLM {upstream.TRTLLM_ENGINE_TAG} {upstream.QUANTIZE_SCRIPT} (--export_format hf)",
+        id=f"{job.role}.quantize",
+        title=f"quantize the {job.role} with ModelOpt ({upstream.MODELOPT_QFORMAT_FOR_MODE[job.quant]}) as a Hugging Face folder",
+        kind="command", argv=argv, writes=(str(job.hf_export_dir),), needs=("cuda", "modelopt", "modelopt-checkout"), gpu=True,
+        source=f"NVIDIA/Model-Optimizer {upstream.MODELOPT_PTQ_SCRIPT}",
     )  # fmt: skip
 
 
 def llmapi_model_dir(job: ModelJob) -> Path:
-    return job.hf_export_dir if needs_modelopt(job) else job.hf_dir
+    return job.hf_export_dir if llmapi_needs_ptq(job) else job.hf_dir
+
+
+def default_draft_len_schedule(max_draft_len: int, max_batch_size: int) -> dict[int, int]:
+    """{batch size: draft length}: K below batch 4, then halved at 4 and at each doubling of the batch, down to 0
+    (no speculation). Verifying K drafts costs each request K+1 tokens of target compute; while the batch is small
+    the GPU is bandwidth-bound and those tokens are nearly free, and once it fills the GPU's compute they crowd out
+    other requests' tokens, so fewer drafts pay (specpipe's adaptive K shortens drafts for the same reason)."""
+    schedule, batch, draft_len = {1: max_draft_len}, 4, max_draft_len // 2
+    while batch <= max_batch_size:
+        schedule[batch] = draft_len
+        if draft_len == 0:
+            break
+        batch, draft_len = batch * 2, draft_len // 2
+    return schedule
+
+
+def check_draft_len_schedule(schedule: dict[int, int], max_draft_len: int) -> list[str]:
+    """Upstream's own rules (DecodingBaseConfig.validate_draft_len_schedule_and_sort), as one-line problems."""
+    problems = []
+    if schedule.get(1) != max_draft_len:
+        problems.append(f"draft_len_schedule must map batch size 1 to max_draft_len {max_draft_len}")
+    problems += [f"draft_len_schedule: batch size {b} must be >= 1" for b in schedule if b < 1]
+    problems += [
+        f"draft_len_schedule: draft length {n} (batch {b}) must be in 0..{max_draft_len}"
+        for b, n in schedule.items() if not 0 <= n <= max_draft_len
+    ]  # fmt: skip
+    return problems
 
 
 class _Strict(BaseModel):
@@ -187,11 +243,25 @@ class _Strict(BaseModel):
 
 
 class DraftTargetSpec(_Strict):
-    """`speculative_config` as DecodingBaseConfig.from_dict reads it (1.2.1 llm_args.py)."""
+    """DraftTargetDecodingConfig, as DecodingBaseConfig.from_dict reads it."""
 
-    decoding_type: Literal["DraftTarget"] = upstream.LLMAPI_DRAFT_TARGET_TYPE
+    decoding_type: Literal["DraftTarget"] = upstream.DECODING_TYPES["draft_target"]  # type: ignore[assignment]
     max_draft_len: int = Field(gt=0)
     speculative_model: str
+    draft_len_schedule: Optional[dict[int, int]] = None
+
+
+class Eagle3Spec(_Strict):
+    """Eagle3DecodingConfig for an EAGLE-3 head. The batch schedule does not reach the one-model EAGLE-3 loop
+    (upstream's stage 1 covers NGram and the 2-model drafter): max_concurrency switches speculation off instead."""
+
+    decoding_type: Literal["Eagle3"] = upstream.DECODING_TYPES["eagle3"]  # type: ignore[assignment]
+    max_draft_len: int = Field(gt=0)
+    speculative_model: str
+    max_concurrency: Optional[int] = Field(None, ge=0)
+
+
+SpeculativeSpec = Annotated[Union[DraftTargetSpec, Eagle3Spec], Field(discriminator="decoding_type")]
 
 
 class KvCacheSpec(_Strict):
@@ -203,36 +273,77 @@ class KvCacheSpec(_Strict):
 
 
 class TritonSpec(_Strict):
-    """model.yaml's triton_config: read by the llmapi model.py's auto_complete_config."""
+    """model.yaml's triton_config. config.pbtxt carries the same two values (upstream.LAUNCH_DISABLES_AUTO_COMPLETE)."""
 
-    max_batch_size: int = 0  # upstream: "does not support batching"; requests still run concurrently
+    max_batch_size: int = 0  # upstream: "does not support batching"; the LLM batches requests in flight itself
     decoupled: bool = True  # streaming responses
 
 
-class LlmApiModelYaml(_Strict):
-    """model.yaml of Triton's llmapi model: everything but triton_config goes to LLM(**kwargs)."""
+class LlmApiArgs(_Strict):
+    """`LLM(**args)` for the PyTorch backend: what trtllm-serve's YAML and Triton's model.yaml both hold."""
 
     model: str
     backend: Literal["pytorch"] = "pytorch"
     tensor_parallel_size: int = Field(ge=1)
     pipeline_parallel_size: int = 1
-    speculative_config: DraftTargetSpec
+    # in-flight batching: requests scheduled together, and the tokens one iteration may carry
+    max_batch_size: int = Field(ge=1)
+    max_num_tokens: int = Field(ge=1)
+    max_seq_len: int = Field(ge=2)
+    # a prompt longer than max_num_tokens is prefilled in chunks instead of refused
+    enable_chunked_prefill: bool = True
+    speculative_config: SpeculativeSpec
     kv_cache_config: KvCacheSpec
     # the two-model draft/target path runs without the overlap scheduler (1.2.1 docs' example)
-    disable_overlap_scheduler: bool = True
-    triton_config: TritonSpec = Field(default_factory=TritonSpec)
+    disable_overlap_scheduler: Optional[bool] = None
 
-    def to_yaml(self) -> str:
+    def to_yaml(self, *, exclude: tuple[str, ...] = ()) -> str:
         import yaml
 
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        # python mode keeps draft_len_schedule's keys integers (json mode would write '1': 8); every value here is
+        # a str, int, float, bool or dict of them, which YAML writes as is
+        return yaml.safe_dump(self.model_dump(mode="python", exclude_none=True, exclude=set(exclude)), sort_keys=False)
 
 
-def llmapi_model_yaml(target: ModelJob, draft: ModelJob, limits: Limits, kv_fraction: float) -> LlmApiModelYaml:
-    kv_dtype: Any = "fp8" if target.kv_cache_dtype == "fp8" else "auto"
-    return LlmApiModelYaml(
-        model=str(llmapi_model_dir(target).absolute()),  # Triton's working directory is not the build's
+class LlmApiModelYaml(LlmApiArgs):
+    """model.yaml of Triton's llmapi model: everything but triton_config goes to LLM(**kwargs)."""
+
+    triton_config: TritonSpec = Field(default_factory=TritonSpec)
+
+
+def is_eagle3_head(shape: ModelShape) -> bool:
+    return shape.architecture in upstream.EAGLE3_ARCHITECTURES
+
+
+def llmapi_args(target: ModelJob, draft: ModelJob, limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> dict[str, Any]:
+    """The LLM(...) arguments both serving paths share."""
+    draft_dir = str(llmapi_model_dir(draft).absolute())  # Triton's working directory is not the build's
+    spec: Any
+    if is_eagle3_head(draft.shape):
+        off = [batch for batch, draft_len in schedule.items() if draft_len == 0]
+        spec = Eagle3Spec(max_draft_len=limits.max_draft_len, speculative_model=draft_dir, max_concurrency=min(off) - 1 if off else None)
+    else:
+        spec = DraftTargetSpec(max_draft_len=limits.max_draft_len, speculative_model=draft_dir, draft_len_schedule=schedule)
+    return dict(
+        model=str(llmapi_model_dir(target).absolute()),
         tensor_parallel_size=target.tp,
-        speculative_config=DraftTargetSpec(max_draft_len=limits.max_draft_len, speculative_model=str(llmapi_model_dir(draft).absolute())),
-        kv_cache_config=KvCacheSpec(free_gpu_memory_fraction=kv_fraction, dtype=kv_dtype),
+        max_batch_size=limits.max_batch_size,
+        max_num_tokens=max(limits.max_input_len, limits.max_batch_size * (limits.max_draft_len + 1)),
+        max_seq_len=limits.max_seq_len,
+        speculative_config=spec,
+        kv_cache_config=KvCacheSpec(free_gpu_memory_fraction=kv_fraction, dtype=target.kv_cache_dtype),  # type: ignore[arg-type]
+        disable_overlap_scheduler=True if isinstance(spec, DraftTargetSpec) else None,
     )
+
+
+def llmapi_model_yaml(target: ModelJob, draft: ModelJob, limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> LlmApiModelYaml:
+    return LlmApiModelYaml(**llmapi_args(target, draft, limits, kv_fraction, schedule))
+
+
+def trtllm_serve_config(target: ModelJob, draft: ModelJob, limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> LlmApiArgs:
+    return LlmApiArgs(**llmapi_args(target, draft, limits, kv_fraction, schedule))
+
+
+def trtllm_serve_command(model_dir: Path, config_path: Path) -> tuple[str, ...]:
+    """trtllm-serve takes the model as its argument; the YAML holds every other LLM argument."""
+    return (upstream.TRTLLM_SERVE, str(model_dir.absolute()), upstream.TRTLLM_SERVE_CONFIG_FLAG, str(config_path.absolute()))

@@ -19,7 +19,18 @@ from __future__ import annotations
 TRTLLM_ENGINE_VERSION = "1.2.1"
 TRTLLM_ENGINE_TAG = "v1.2.1"
 TRTLLM_LAST_ENGINE_RC = "1.3.0rc20"  # GitHub/NGC only
-TRTLLM_REMOVAL_PRS = (11723, 15763, 15907, 15918)
+# 11723 deprecation; 15763 examples (convert_checkpoint.py / trtllm-build trees), 15767 docs + migration guide
+# (docs/source/legacy/tensorrt-backend-removal.md: "PyTorch is now the sole execution backend"), 15907 the C++
+# Triton backend inflight_batcher_llm ("keeping only the PyTorch/LLM API Triton backend (all_models/llmapi)"),
+# 15918 the Python engine modules (PR descriptions read on github.com/NVIDIA/TensorRT-LLM/pull/<n>).
+TRTLLM_REMOVAL_PRS = (11723, 15763, 15767, 15907, 15918)
+
+# ---- the LLM-API flow's TensorRT-LLM ----------------------------------------------------------------------
+# The first release line without engines is 1.3 (the removal PRs above merged on main during the 1.3.0rc
+# series: PR 16758 bumped main to 1.3.0rc23 on 2026-07-22; nvidia.github.io/TensorRT-LLM/1.3.0rc27/ is
+# published). NOT CONFIRMED here: a final v1.3.0 tag and PR 19035 were not found in the sources this
+# session could read, so the pin says ">= 1.3.0" and a run checks the installed version, not a tag.
+TRTLLM_LLMAPI_MIN_VERSION = "1.3.0"
 # The matching Triton container ships tensorrtllm_backend and tritonserver; its version follows the
 # TensorRT-LLM release (triton-inference-server/tensorrtllm_backend README, "Using the TensorRT-LLM Backend").
 
@@ -39,7 +50,12 @@ CONVERT_DTYPES = ("auto", "float16", "bfloat16", "float32")
 QUANTIZE_SCRIPT = "examples/quantization/quantize.py"
 QFORMATS = ("nvfp4", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "int8_wo", "int4_wo", "full_prec")
 QUANT_KV_CACHE_DTYPES = ("int8", "fp8")
-QUANT_EXPORT_FORMATS = ("tensorrt_llm", "hf")
+# Defect 1 (issue 15): --export_format exists in some quantize.py versions (@059c97c1, passed on to
+# quantize_and_export(export_format=...)) and not in others (@c8c6df08: no such argument, and
+# quantize_and_export is called without it). The engine flow never passes it: a TensorRT-LLM checkpoint is
+# what quantize.py writes by default in every version, so omitting the flag is right for all of them.
+QUANTIZE_FLAGS_ENGINE_FLOW = ("--model_dir", "--dtype", "--qformat", "--kv_cache_dtype", "--calib_size", "--output_dir",
+                              "--tp_size", "--pp_size")  # fmt: skip
 
 # specpipe's --quant modes -> quantize.py --qformat. int4-wo maps to AWQ: ModelOpt's activation-aware
 # int4 weight-only recipe (INT4_AWQ_CFG), the one TensorRT-LLM documents for int4 weights.
@@ -61,6 +77,18 @@ def engine_file(rank: int) -> str:
     return f"rank{rank}.engine"
 
 
+# Defect 3 (issue 15): tensorrt_llm/builder.py build() (@14e801da, the engine line): when the model's
+# quant_algo is not in [QuantAlgo.FP8, QuantAlgo.W4A8_AWQ, QuantAlgo.NVFP4] and the KV cache is fp8,
+# "FP8 Paged Context FMHA is disabled because FP8 context FMHA is disabled": use_paged_context_fmha is
+# silently turned off, and with it KV-cache reuse and chunked context. Of specpipe's modes only fp8 maps to
+# one of those algorithms, so only an fp8 model keeps an fp8 KV cache on the engine flow.
+FP8_KV_WEIGHT_QUANT = ("fp8",)
+# Defect 4 (issue 15): cpp/tensorrt_llm/batch_manager/trtGptModel.h (@c8c6df08): with the executor's
+# enable_chunked_context, "maxInputLen = maxSequenceLen - 1 since chunked context is enabled"; without it
+# maxInputLen = min(maxSequenceLen - 1, maxNumTokens) and a longer request is refused. The BLS draft-target
+# loop re-sends the whole sequence as a prompt each iteration, so both engines run with chunked context
+# (which needs paged context FMHA, kept by the rule above).
+
 # Draft-target with the C++ runtime needs KV-cache reuse, which needs paged context FMHA:
 # examples/draft_target_model/README.md (@11925f62): "--use_paged_context_fmha=enable must be specified
 # since we need KV-Cache reuse", "--speculative_decoding_mode=draft_tokens_external and --max_draft_len
@@ -78,6 +106,10 @@ TRITON_TEMPLATES_DIR = "triton_backend/all_models/inflight_batcher_llm"
 TENSORRTLLM_BACKEND = "tensorrtllm"  # tensorrt_llm/config.pbtxt: backend "${triton_backend}" = tensorrtllm (docs/model_config.md)
 BATCHING_STRATEGIES = ("inflight_fused_batching", "V1")  # docs/model_config.md, tensorrtllm_backend v1.0.0
 # Python models whose model.py specpipe takes from the pinned checkout (never vendored).
+# Defect 2 (issue 15): preprocessing/1/model.py (@01259b15) reads
+# model_config['parameters']['multimodal_model_path']['string_value'] unguarded (a KeyError at load without
+# it) and treats "" (or the unfilled "${multimodal_model_path}") as no multimodal model.
+PREPROCESSING_REQUIRED_PARAMETERS = ("tokenizer_dir", "multimodal_model_path")
 PYTHON_MODEL_FILES = {
     "preprocessing": ("1/model.py",),
     "postprocessing": ("1/model.py",),
@@ -95,6 +127,68 @@ LLMAPI_DRAFT_TARGET_TYPE = "DraftTarget"
 # update_llm_args_with_extra_dict (speculative_config -> DecodingBaseConfig.from_dict).
 LLMAPI_TEMPLATES_DIR = "triton_backend/all_models/llmapi/tensorrt_llm"
 LLMAPI_MODEL_FILES = ("1/model.py", "1/helpers.py")
+# Defect 5 (issue 15): triton_backend/scripts/launch_triton_server.py (@0a2e2c1f) always passes
+# --disable-auto-complete-config, so llmapi model.py's auto_complete_config (@044a90d2: set_model_transaction_
+# policy(decoupled=triton_config["decoupled"]), set_max_batch_size(triton_config["max_batch_size"])) never
+# runs: config.pbtxt must carry both values itself, equal to model.yaml's triton_config (model.py's initialize
+# reads triton_config again and refuses streaming "Streaming is only supported in decoupled mode.").
+LAUNCH_SCRIPT = "triton_backend/scripts/launch_triton_server.py"
+LAUNCH_DISABLES_AUTO_COMPLETE = "--disable-auto-complete-config"
+# The llmapi model's request tensors (config.pbtxt @0a710573): a client sends text_input, streaming and
+# sampling_param_* and reads text_output plus the perf outputs, acceptance ones included.
+LLMAPI_REQUEST_TENSORS = {
+    "text_input": "STRING", "streaming": "BOOL", "sampling_param_temperature": "FP32", "sampling_param_top_k": "INT32",
+    "sampling_param_top_p": "FP32", "sampling_param_max_tokens": "INT32", "sampling_param_stop": "STRING",
+    "sampling_param_seed": "UINT64", "sampling_param_exclude_input_from_output": "BOOL",
+    "sampling_param_return_perf_metrics": "BOOL", "sampling_param_frequency_penalty": "FP32",
+    "sampling_param_presence_penalty": "FP32", "sampling_param_best_of": "INT32",
+}  # fmt: skip
+
+# LLM(...) arguments specpipe writes (tensorrt_llm/llmapi/llm_args.py BaseLlmArgs @fcd3f316; the same names
+# on 2026 main): model, backend, tensor_parallel_size, pipeline_parallel_size, max_batch_size, max_num_tokens,
+# max_seq_len, kv_cache_config (KvCacheConfig: free_gpu_memory_fraction, enable_block_reuse, dtype),
+# enable_chunked_prefill, speculative_config.
+LLM_ARGS = ("model", "backend", "tensor_parallel_size", "pipeline_parallel_size", "max_batch_size", "max_num_tokens",
+            "max_seq_len", "kv_cache_config", "enable_chunked_prefill", "speculative_config", "disable_overlap_scheduler")  # fmt: skip
+# speculative_config (DecodingBaseConfig.from_dict dispatches on decoding_type): DraftTargetDecodingConfig
+# "DraftTarget", Eagle3DecodingConfig(EagleDecodingConfig) "Eagle3", NGramDecodingConfig "NGram" (with
+# max_matching_ngram_size). DecodingBaseConfig fields (llm_args.py on 2026 main, read through the code
+# index; the file's commit was not resolved): max_draft_len, speculative_model (alias speculative_model_dir),
+# max_concurrency ("speculation will be disabled at batch sizes above this value", PyTorch only),
+# draft_len_schedule ({batch_size: draft_len}; must contain 1 -> max_draft_len, every value <= max_draft_len,
+# 0 switches speculation off; stage 1 covers NGram and the 2-model drafter), acceptance_window and
+# acceptance_length_threshold (speculation off for good once the rolling mean acceptance length of the
+# last N requests drops below the threshold).
+DECODING_TYPES = {"draft_target": "DraftTarget", "eagle3": "Eagle3", "ngram": "NGram"}
+DECODING_BASE_FIELDS = ("max_draft_len", "speculative_model", "max_concurrency", "draft_len_schedule", "acceptance_window",
+                        "acceptance_length_threshold")  # fmt: skip
+# An EAGLE-3 head's config.json names this architecture (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, the head the
+# EagleDecodingConfig docstring cites).
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
+
+# Quantization the PyTorch backend runs (docs/source/features/quantization.md, gh-pages 1.3.0rc27/features/
+# quantization.html: "The default PyTorch backend supports FP4 and FP8 quantization"; recipes FP8, NVFP4,
+# W4A16 AWQ/GPTQ, W4A8 AWQ/GPTQ, FP8 and NVFP4 KV cache; no INT8 SmoothQuant, INT8 weight-only or INT8 KV).
+# specpipe's modes it can take (defect 6): fp8 and int4-wo (W4A16 AWQ); KV cache auto or fp8.
+LLMAPI_QUANT_MODES = ("none", "fp8", "int4-wo")
+LLMAPI_KV_CACHE_DTYPES = ("auto", "fp8")
+
+# ModelOpt PTQ for the PyTorch backend: NVIDIA/Model-Optimizer examples/llm_ptq/hf_ptq.py (@003e0fba):
+# --pyt_ckpt_path (alias --model), --qformat (QUANT_CFG_CHOICES: fp8, int4_awq, nvfp4, int8_sq, ...),
+# --kv_cache_qformat {none, fp8_cast, fp8, ...} (default fp8_cast: pass none for an unquantized KV cache),
+# --calib_size, --export_path, --inference_tensor_parallel; it always exports a unified Hugging Face
+# checkpoint (--export_fmt "Deprecated ... forced to hf"). The TensorRT-LLM docs point there for offline
+# quantization (torch/features/quantization.html: examples/llm_ptq ... --export_fmt hf).
+MODELOPT_PTQ_SCRIPT = "examples/llm_ptq/hf_ptq.py"
+MODELOPT_PTQ_FLAGS = ("--pyt_ckpt_path", "--qformat", "--kv_cache_qformat", "--calib_size", "--export_path",
+                      "--inference_tensor_parallel")  # fmt: skip
+MODELOPT_QFORMAT_FOR_MODE = {"fp8": "fp8", "int4-wo": "int4_awq"}
+MODELOPT_KV_QFORMAT = {"auto": "none", "fp8": "fp8"}
+
+# trtllm-serve (tensorrt_llm/commands/serve.py): `trtllm-serve <model> --extra_llm_api_options <yaml>`
+# (the flag is an alias of --config on 2026 main: "Explicit CLI flags take precedence over values in this file").
+TRTLLM_SERVE = "trtllm-serve"
+TRTLLM_SERVE_CONFIG_FLAG = "--extra_llm_api_options"
 
 # ---- TensorRT (the tensorrt backend) --------------------------------------------------------------------
 # Python API checked in NVIDIA/TensorRT python/src/infer/pyCore.cpp @a892d222 (TensorRT 11.1 OSS):

@@ -56,9 +56,15 @@ def smooth_quant_available() -> bool:
 
 
 def quantize_calibrated(
-    model, out_dir: Path, *, mode: str, calib: Sequence[Sequence[int]], window: int, smooth_quant: bool
+    model, out_dir: Path, *, mode: str, calib: Sequence[Sequence[int]], window: int, smooth_quant: bool,
+    symmetric_activations: bool = False,
 ) -> None:
-    """Write out_dir/model.onnx: `model` (an onnx ModelProto) quantized as `mode` ('int8' or 'fp8')."""
+    """Write out_dir/model.onnx: `model` (an onnx ModelProto) quantized as `mode` ('int8' or 'fp8').
+
+    symmetric_activations: int8 activation zero points fixed at 0, for TensorRT, whose quantize layer takes no
+    other (ONNX Runtime on CPU handles asymmetric ones, which use the int8 range better, so the CPU build keeps
+    them). fp8 zero points are 0 either way.
+    """
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     if smooth_quant and mode != "int8":
@@ -86,6 +92,8 @@ def quantize_calibrated(
     }
     if smooth_quant:
         extra_options.update(SmoothQuant=True, SmoothQuantAlpha=SMOOTH_QUANT_ALPHA)
+    if symmetric_activations and mode == "int8":
+        extra_options["ActivationSymmetric"] = True
     if mode == "fp8":
         _relabel_opset(model, FP8_MIN_OPSET)
     model = _with_tensor_types(model)

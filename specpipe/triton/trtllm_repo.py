@@ -391,6 +391,9 @@ def _llm_model(name: str, engine_dir: str, gpus: tuple[int, ...], kv_fraction: f
             "kv_cache_free_gpu_mem_fraction": f"{kv_fraction:g}",
             # the draft-target loop re-sends accepted tokens; reuse keeps their KV (needs paged context FMHA)
             "enable_kv_cache_reuse": "true",
+            # and it re-sends the whole sequence as a prompt: chunked context lifts the runtime's input limit to
+            # max_seq_len - 1 (upstream.py, defect 4), where max_input_len would refuse a long conversation
+            "enable_chunked_context": "true",
             "exclude_input_in_output": "true",
             "gpu_device_ids": ",".join(str(g) for g in gpus),
             "executor_worker_path": EXECUTOR_WORKER,
@@ -418,7 +421,8 @@ def trtllm_models(s: TrtllmRepoSettings) -> list[ModelSpec]:
         ModelSpec(
             name="preprocessing", backend="python", max_batch_size=s.max_batch_size, inputs=PRE_INPUTS, outputs=PRE_OUTPUTS,
             dynamic_batching=python_batching, instance_count=s.instance_count,
-            parameters={"tokenizer_dir": s.tokenizer_dir, "add_special_tokens": "true"},
+            # model.py reads multimodal_model_path unguarded; "" means no multimodal encoder (upstream.py, defect 2)
+            parameters={"tokenizer_dir": s.tokenizer_dir, "add_special_tokens": "true", "multimodal_model_path": ""},
         ),  # fmt: skip
         _llm_model("tensorrt_llm", s.target_engine_dir, s.target_gpus, s.target_kv_fraction, s),
         _llm_model("tensorrt_llm_draft", s.draft_engine_dir, s.draft_gpus, s.draft_kv_fraction, s),
@@ -439,13 +443,15 @@ def trtllm_models(s: TrtllmRepoSettings) -> list[ModelSpec]:
     ]
 
 
-def llmapi_models(instance_count: int = 1) -> list[ModelSpec]:
-    """Triton's LLM-API model. max_batch_size and decoupled come from model.yaml's triton_config
-    (auto_complete_config), so config.pbtxt leaves them out, as upstream's does."""
+def llmapi_models(*, max_batch_size: int, decoupled: bool, instance_count: int = 1) -> list[ModelSpec]:
+    """Triton's LLM-API model. Upstream's config.pbtxt leaves max_batch_size and decoupled to model.yaml's
+    triton_config (auto_complete_config), but launch_triton_server.py disables auto-complete, so Triton would
+    treat the model as not decoupled while model.py streams: they are written here too, with model.yaml's
+    values (upstream.LAUNCH_DISABLES_AUTO_COMPLETE, defect 5)."""
     return [
         ModelSpec(
-            name="tensorrt_llm", backend="python", max_batch_size=0, inputs=LLMAPI_INPUTS, outputs=LLMAPI_OUTPUTS,
-            instance_count=instance_count,
+            name="tensorrt_llm", backend="python", max_batch_size=max_batch_size, decoupled=decoupled,
+            inputs=LLMAPI_INPUTS, outputs=LLMAPI_OUTPUTS, instance_count=instance_count,
         )  # fmt: skip
     ]
 
