@@ -93,7 +93,7 @@ def test_served_config_round_trips_through_text_format(tmp_path):
     assert parsed.max_batch_size == 1  # clients send [1, 1] per scalar, as to TensorRT-LLM
     assert [(g.count, mc.ModelInstanceGroup.Kind.Name(g.kind)) for g in parsed.instance_group] == [(3, "KIND_CPU")]
     assert {k: v.string_value for k, v in parsed.parameters.items()} == {
-        "engine_dir": "engine", "engine_threads": "1", "exclude_input_in_output": "true"
+        "engine_dir": "engine", "engine_threads": "1", "exclude_input_in_output": "true", "protocol": "tensorrtllm_backend"
     }
     assert ModelParameters.from_triton(json.loads(_as_json(parsed))) == ModelParameters(engine_threads=1)
 
@@ -304,3 +304,95 @@ def test_failure_reason_names_the_model_and_the_first_line_of_why():
     assert failure_reason(log[:1] + log[2:]) == "error: creating server: Internal - failed to load all models"
     port_taken = "E1122 04:30:00.1 1 main.cc:255] failed to start GRPC service: Unavailable - Socket '127.0.0.1:8001' already in use"
     assert failure_reason(log[:1] + [port_taken]) == port_taken.split("] ", 1)[1]
+
+
+# -- the llmapi model's names (TensorRT-LLM's current Triton backend) ------------------------------------------
+
+# NVIDIA/TensorRT-LLM triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt @0a710573: name -> (type, dims)
+LLMAPI_IO_0A710573 = {
+    "text_input": ("STRING", (-1,)), "image_url": ("STRING", (-1,)), "streaming": ("BOOL", (1,)),
+    "sampling_param_best_of": ("INT32", (1,)), "sampling_param_temperature": ("FP32", (1,)),
+    "sampling_param_top_k": ("INT32", (1,)), "sampling_param_top_p": ("FP32", (1,)),
+    "sampling_param_frequency_penalty": ("FP32", (1,)), "sampling_param_presence_penalty": ("FP32", (1,)),
+    "sampling_param_max_tokens": ("INT32", (1,)), "sampling_param_stop": ("STRING", (-1,)),
+    "sampling_param_seed": ("UINT64", (1,)), "sampling_param_exclude_input_from_output": ("BOOL", (1,)),
+    "sampling_param_return_perf_metrics": ("BOOL", (1,)), "return_finish_reason": ("BOOL", (1,)),
+    "return_stop_reason": ("BOOL", (1,)), "return_cumulative_logprob": ("BOOL", (1,)), "stop": ("BOOL", (1,)),
+    "lora_id": ("UINT64", (1,)), "lora_name": ("STRING", (1,)), "lora_path": ("STRING", (1,)),
+    "lora_ckpt_source": ("STRING", (1,)),
+    # outputs
+    "text_output": ("STRING", (-1,)), "finish_reason": ("STRING", (-1,)), "stop_reason": ("STRING", (-1,)),
+    "cumulative_logprob": ("FP32", (-1,)), "kv_cache_reused_block": ("INT32", (-1,)),
+    "kv_cache_missed_block": ("INT32", (-1,)), "kv_cache_alloc_new_blocks": ("INT32", (-1,)),
+    "kv_cache_alloc_total_blocks": ("INT32", (-1,)), "kv_cache_hit_rate": ("FP32", (-1,)),
+    "arrival_time_ns": ("INT64", (1,)), "first_scheduled_time_ns": ("INT64", (1,)), "first_token_time_ns": ("INT64", (1,)),
+    "last_token_time_ns": ("INT64", (1,)), "acceptance_rate": ("FP32", (1,)), "total_accepted_draft_tokens": ("INT32", (1,)),
+    "total_draft_tokens": ("INT32", (1,)),
+}  # fmt: skip
+
+
+def test_llmapi_shaped_model_serves_upstreams_llmapi_tensors():
+    spec = served_model_spec("tensorrt_llm", parameters=ModelParameters(protocol="llmapi")).to_proto()
+    assert spec.max_batch_size == 0 and spec.model_transaction_policy.decoupled  # rank-1 tensors, as upstream's
+    served = {t.name: (mc.DataType.Name(t.data_type)[5:], tuple(t.dims)) for t in (*spec.input, *spec.output)}
+    extensions = {t.name for t in (*EXTENSION_INPUTS, *EXTENSION_OUTPUTS)}
+    assert {k: v for k, v in served.items() if k not in extensions} == LLMAPI_IO_0A710573
+    assert all(t.optional for t in spec.input if t.name != "text_input")
+
+
+def _llmapi_request(**values) -> dict[str, np.ndarray]:
+    """As the llmapi model receives it: rank-1 tensors (max_batch_size 0)."""
+    tensors = {"text_input": np.array([b"def add(a, b):"], dtype=np.object_)}
+    return tensors | {k: v if isinstance(v, np.ndarray) else np.array([v]) for k, v in values.items()}
+
+
+def test_parse_request_takes_the_llmapi_names_with_the_same_meaning():
+    llmapi = parse_request(_llmapi_request(
+        streaming=True, sampling_param_temperature=np.float32(0.5), sampling_param_top_k=np.int32(7),
+        sampling_param_top_p=np.float32(0.9), sampling_param_max_tokens=np.int32(12), sampling_param_seed=np.uint64(42),
+        sampling_param_stop=np.array([b"\n\n", b"END"], dtype=np.object_), sampling_param_exclude_input_from_output=False,
+        sampling_param_return_perf_metrics=True, return_finish_reason=True, sampling_param_best_of=np.int32(1),
+    ))  # fmt: skip
+    bls = parse_request(_request(
+        stream=True, temperature=0.5, top_k=7, top_p=np.array([[0.9]], np.float32), max_tokens=12,
+        seed=np.array([[42]], np.uint64), stop_words=np.array([[b"\n\n", b"END"]], dtype=np.object_),
+        exclude_input_in_output=False, return_perf_metrics=True,
+    ))  # fmt: skip
+    assert llmapi.config == bls.config and llmapi.stream and llmapi.exclude_input_in_output is False
+    assert llmapi.llmapi and llmapi.return_finish_reason and not bls.llmapi
+    # max tokens are optional there: the deployment's default applies
+    assert "max_new_tokens" not in parse_request(_llmapi_request(streaming=False)).config
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"sampling_param_best_of": np.int32(2)}, "best_of must be 1"),
+        ({"return_stop_reason": True}, "return_stop_reason is not supported"),
+        ({"stop": True}, "stop requests are not supported"),
+        ({"lora_name": np.array([b"adapter"], dtype=np.object_)}, "LoRA is not supported"),
+        ({"sampling_param_max_tokens": np.int32(0)}, "max_tokens must be >= 1, got 0"),
+        ({"sampling_param_temperature": np.float32(0.5), "temperature": np.float32(0.5)}, "send one of 'temperature'"),
+    ],
+)
+def test_llmapi_requests_are_refused_with_the_reason(values, message):
+    with pytest.raises(UsageError, match=message):
+        parse_request(_llmapi_request(**values))
+
+
+def test_an_llmapi_client_gets_cumulative_streamed_text_without_a_batch_dimension(tiny_build):
+    """llmapi's model.py streams RequestOutput.outputs[0].text (the text so far) from a max_batch_size-0 model."""
+    from specpipe.deployment import load_deployment
+    from specpipe.triton.serving import ServedModel
+
+    deployment = load_deployment(tiny_build, threads=1)
+    llmapi = ServedModel(deployment, batched=False)
+    request = _llmapi_request(streaming=True, sampling_param_max_tokens=np.int32(12), return_finish_reason=True)
+    replies = list(llmapi.replies(request))
+    texts = [r.tensors["text_output"][0].decode() for r in replies]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # each response holds the text so far
+    final = replies[-1].tensors
+    assert final["finish_reason"].shape == (1,) and final["finish_reason"][0] in (b"stop", b"length")
+    assert final["token_ids"].ndim == 1 and final["stats_json"].shape == (1,)
+    whole = list(ServedModel(deployment).replies(_request(max_tokens=12)))[-1].tensors["text_output"][0].decode()
+    assert texts[-1] == whole  # the same generation as a tensorrt_llm_bls client's

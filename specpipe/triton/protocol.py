@@ -7,6 +7,14 @@ same tensors minus num_draft_tokens/use_draft_logits) at commit c2e65b88d85255be
 multimodal inputs (image_*, video_*) are left out. `random_seed` is the name the same input had up to
 commit 071ee5e (v0.17, renamed `seed` later); both are accepted so older clients work too.
 
+The same parser also takes the request tensors of TensorRT-LLM's current Triton backend, the LLM-API model
+(NVIDIA/TensorRT-LLM triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt @0a710573: `streaming`,
+`sampling_param_*`, `return_finish_reason`, ...), so a client written for it works against the CPU
+deployment too. Upstream's llmapi model has max_batch_size 0 (rank-1 tensors) where tensorrt_llm_bls has a
+batch dimension, and one Triton model cannot take both ranks: the CPU repository serves each protocol's
+shapes from its own model (specpipe.triton.repository.served_model_spec(protocol=...)). Streamed llmapi
+responses carry the whole text so far (its model.py sends RequestOutput.outputs[0].text), BLS ones the new text.
+
 Inputs specpipe cannot honour are declared anyway (a TRT-LLM client may send them) and accepted only at
 their neutral value (beam_width 1, repetition_penalty 1.0, ...); anything else is refused with a message
 that names the input. Pure numpy here: the Triton adapter (model_py/model.py) only moves tensors.
@@ -112,8 +120,72 @@ SERVED_INPUTS = LLM_INPUTS + EXTENSION_INPUTS
 SERVED_OUTPUTS = LLM_OUTPUTS + EXTENSION_OUTPUTS
 MAX_BATCH_SIZE = 1  # one prompt per request; dims [1] then mean shape [1, 1], as TRT-LLM clients send
 
+LLMAPI_UPSTREAM = "NVIDIA/TensorRT-LLM@0a710573 triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt"
+# The llmapi model's tensors, in upstream order (image_url and the LoRA selection are declared and refused).
+LLMAPI_INPUTS: tuple[TensorSpec, ...] = (
+    _in("text_input", "STRING", (-1,), optional=False),
+    _in("image_url", "STRING", (-1,)),
+    _in("streaming", "BOOL"),
+    _in("sampling_param_best_of", "INT32"),
+    _in("sampling_param_temperature", "FP32"),
+    _in("sampling_param_top_k", "INT32"),
+    _in("sampling_param_top_p", "FP32"),
+    _in("sampling_param_frequency_penalty", "FP32"),
+    _in("sampling_param_presence_penalty", "FP32"),
+    _in("sampling_param_max_tokens", "INT32"),
+    _in("sampling_param_stop", "STRING", (-1,)),
+    _in("sampling_param_seed", "UINT64"),
+    _in("sampling_param_exclude_input_from_output", "BOOL"),
+    _in("sampling_param_return_perf_metrics", "BOOL"),
+    _in("return_finish_reason", "BOOL"),
+    _in("return_stop_reason", "BOOL"),
+    _in("return_cumulative_logprob", "BOOL"),
+    _in("stop", "BOOL"),
+    _in("lora_id", "UINT64"),
+    _in("lora_name", "STRING"),
+    _in("lora_path", "STRING"),
+    _in("lora_ckpt_source", "STRING"),
+)
+LLMAPI_OUTPUTS: tuple[TensorSpec, ...] = (
+    _out("text_output", "STRING", (-1,)),
+    _out("finish_reason", "STRING", (-1,)),
+    _out("stop_reason", "STRING", (-1,)),
+    _out("cumulative_logprob", "FP32", (-1,)),
+    _out("kv_cache_reused_block", "INT32", (-1,)),
+    _out("kv_cache_missed_block", "INT32", (-1,)),
+    _out("kv_cache_alloc_new_blocks", "INT32", (-1,)),
+    _out("kv_cache_alloc_total_blocks", "INT32", (-1,)),
+    _out("kv_cache_hit_rate", "FP32", (-1,)),
+    _out("arrival_time_ns", "INT64"),
+    _out("first_scheduled_time_ns", "INT64"),
+    _out("first_token_time_ns", "INT64"),
+    _out("last_token_time_ns", "INT64"),
+    _out("acceptance_rate", "FP32"),
+    _out("total_accepted_draft_tokens", "INT32"),
+    _out("total_draft_tokens", "INT32"),
+)
+LLMAPI_SERVED_INPUTS = LLMAPI_INPUTS + EXTENSION_INPUTS
+LLMAPI_SERVED_OUTPUTS = LLMAPI_OUTPUTS + EXTENSION_OUTPUTS
+# llmapi name -> the tensorrt_llm_bls name whose meaning it has (values and checks are then shared)
+LLMAPI_ALIASES = {
+    "streaming": "stream",
+    "sampling_param_temperature": "temperature",
+    "sampling_param_top_k": "top_k",
+    "sampling_param_top_p": "top_p",
+    "sampling_param_max_tokens": "max_tokens",
+    "sampling_param_seed": "seed",
+    "sampling_param_stop": "stop_words",
+    "sampling_param_exclude_input_from_output": "exclude_input_in_output",
+    "sampling_param_return_perf_metrics": "return_perf_metrics",
+    "sampling_param_frequency_penalty": "frequency_penalty",
+    "sampling_param_presence_penalty": "presence_penalty",
+}  # fmt: skip
+_LLMAPI_ONLY = {t.name for t in LLMAPI_INPUTS} - {t.name for t in LLM_INPUTS}
+# LLM API finish reasons ('stop' | 'length' | ...): an EOS token is a 'stop' there
+LLMAPI_FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}
+
 _NUMPY_KIND = {"STRING": "OSU", "BOOL": "b", "INT32": "iu", "UINT64": "iu", "FP32": "f", "FP16": "f"}
-_INPUT_TYPES = {t.name: t.data_type for t in SERVED_INPUTS}
+_INPUT_TYPES = {t.name: t.data_type for t in SERVED_INPUTS + LLMAPI_SERVED_INPUTS}
 
 
 def _values(array: np.ndarray) -> np.ndarray:
@@ -144,6 +216,16 @@ _NEUTRAL: dict[str, tuple[Callable[[np.ndarray], bool], str]] = {
     "lora_config": (lambda v: v.size == 0, "LoRA is not supported"),
     "guided_decoding_guide_type": (lambda v: all(not w for w in v), "guided decoding is not supported"),
     "guided_decoding_guide": (lambda v: all(not w for w in v), "guided decoding is not supported"),
+    # the llmapi model's own inputs
+    "image_url": (lambda v: all(not w for w in v), "image inputs are not supported"),
+    "sampling_param_best_of": (lambda v: bool(np.all(v == 1)), "best_of must be 1"),
+    "return_stop_reason": (lambda v: not v.any(), "return_stop_reason is not supported"),
+    "return_cumulative_logprob": (lambda v: not v.any(), "return_cumulative_logprob is not supported"),
+    "stop": (lambda v: not v.any(), "stop requests are not supported: cancel the request instead"),
+    "lora_id": (lambda v: bool(np.all(v == 0)), "LoRA is not supported"),
+    "lora_name": (lambda v: all(not w for w in v), "LoRA is not supported"),
+    "lora_path": (lambda v: all(not w for w in v), "LoRA is not supported"),
+    "lora_ckpt_source": (lambda v: all(not w for w in v), "LoRA is not supported"),
 }
 # Accepted and ignored: pad_id (nothing is padded), length_penalty (beam search only),
 # use_draft_logits (the draft's probabilities q are always used when sampling).
@@ -160,6 +242,8 @@ class ServedRequest:
     exclude_input_in_output: Optional[bool] = None  # None: the model's default parameter
     return_perf_metrics: bool = False
     end_id: Optional[int] = None  # replaces the deployment's EOS ids; < 0 = do not stop at EOS
+    llmapi: bool = False  # sent with the llmapi model's names: streamed text is cumulative, max tokens optional
+    return_finish_reason: bool = False
 
 
 def parse_request(tensors: Mapping[str, np.ndarray]) -> ServedRequest:
@@ -169,6 +253,11 @@ def parse_request(tensors: Mapping[str, np.ndarray]) -> ServedRequest:
     for name, (neutral, why) in _NEUTRAL.items():
         if name in tensors and not neutral(_values(tensors[name])):
             raise UsageError(f"{name}: {why}")
+    llmapi = any(name in _LLMAPI_ONLY for name in tensors)
+    return_finish_reason = bool(_scalar(tensors, "return_finish_reason")) if "return_finish_reason" in tensors else False
+    tensors = _with_bls_names(tensors)
+    if llmapi and "max_tokens" not in tensors:  # optional there (SamplingParams' default): the deployment's default
+        tensors = {**tensors, "max_tokens": None}
 
     if "text_input" not in tensors:
         raise UsageError("missing required input 'text_input'")
@@ -180,10 +269,11 @@ def parse_request(tensors: Mapping[str, np.ndarray]) -> ServedRequest:
 
     config = _base_config(tensors)
     sampling = config.setdefault("sampling", {})
-    max_tokens = _scalar(tensors, "max_tokens")
-    if max_tokens < 1:
-        raise UsageError(f"max_tokens must be >= 1, got {max_tokens}")
-    config["max_new_tokens"] = max_tokens
+    if tensors["max_tokens"] is not None:
+        max_tokens = _scalar(tensors, "max_tokens")
+        if max_tokens < 1:
+            raise UsageError(f"max_tokens must be >= 1, got {max_tokens}")
+        config["max_new_tokens"] = max_tokens
     if "temperature" in tensors:
         temperature = _scalar(tensors, "temperature")
         if not temperature >= 0.0:  # also refuses NaN
@@ -224,7 +314,23 @@ def parse_request(tensors: Mapping[str, np.ndarray]) -> ServedRequest:
         ),
         return_perf_metrics=bool(_scalar(tensors, "return_perf_metrics")) if "return_perf_metrics" in tensors else False,
         end_id=end_id,
+        llmapi=llmapi,
+        return_finish_reason=return_finish_reason,
     )
+
+
+def _with_bls_names(tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """llmapi names renamed to their tensorrt_llm_bls twins; both names of one setting is a conflict."""
+    renamed: dict[str, Any] = {}
+    for name, array in tensors.items():
+        if name == "return_finish_reason":
+            continue
+        bls = LLMAPI_ALIASES.get(name, name)
+        if bls in renamed:
+            twin = name if bls != name else next(k for k, v in LLMAPI_ALIASES.items() if v == bls)
+            raise UsageError(f"send one of {bls!r} and {twin!r}, not both")
+        renamed[bls] = array
+    return renamed
 
 
 def check_lengths(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None:

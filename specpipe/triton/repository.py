@@ -16,12 +16,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from specpipe.errors import OutputExistsError, UsageError
 from specpipe.triton.model_config import ModelSpec
-from specpipe.triton.protocol import MAX_BATCH_SIZE, SERVED_INPUTS, SERVED_OUTPUTS
+from specpipe.triton.protocol import LLMAPI_SERVED_INPUTS, LLMAPI_SERVED_OUTPUTS, MAX_BATCH_SIZE, SERVED_INPUTS, SERVED_OUTPUTS
+
+Protocol = Literal["tensorrtllm_backend", "llmapi"]
 
 MODEL_PY = Path(__file__).parent / "model_py" / "model.py"
 DEFAULT_MODEL_NAME = "ensemble"
@@ -37,6 +40,10 @@ class ModelParameters(BaseModel):
     engine_threads: int = Field(0, ge=0, description="ONNX Runtime threads per instance; 0 = cores / instances")
     exclude_input_in_output: bool = Field(
         True, description="default when a request does not say: return only the generated text (TensorRT-LLM's key)"
+    )
+    protocol: Protocol = Field(
+        "tensorrtllm_backend",
+        description="tensor shapes served: tensorrt_llm_bls's (batch dimension) or the llmapi model's (max_batch_size 0)",
     )
 
     def to_triton(self) -> dict[str, str]:
@@ -56,17 +63,20 @@ class ModelParameters(BaseModel):
 def served_model_spec(
     name: str = DEFAULT_MODEL_NAME, *, instance_count: int = 1, parameters: ModelParameters | None = None
 ) -> ModelSpec:
-    """The decoupled Python-backend model with tensorrtllm_backend's inputs and outputs (see protocol.py)."""
+    """The decoupled Python-backend model with tensorrtllm_backend's inputs and outputs, or (parameters.protocol
+    "llmapi") with TensorRT-LLM's llmapi model's (see protocol.py)."""
+    parameters = parameters or ModelParameters()
+    llmapi = parameters.protocol == "llmapi"
     return ModelSpec(
         name=name,
         backend="python",
-        max_batch_size=MAX_BATCH_SIZE,
-        inputs=SERVED_INPUTS,
-        outputs=SERVED_OUTPUTS,
+        max_batch_size=0 if llmapi else MAX_BATCH_SIZE,
+        inputs=LLMAPI_SERVED_INPUTS if llmapi else SERVED_INPUTS,
+        outputs=LLMAPI_SERVED_OUTPUTS if llmapi else SERVED_OUTPUTS,
         decoupled=True,
         instance_count=instance_count,
         instance_kind="KIND_CPU",
-        parameters=(parameters or ModelParameters()).to_triton(),
+        parameters=parameters.to_triton(),
     )
 
 
@@ -79,6 +89,7 @@ def write_repository(
     engine_threads: int = 0,
     exclude_input_in_output: bool = True,
     force: bool = False,
+    protocol: Protocol = "tensorrtllm_backend",
 ) -> Path:
     """Write <repo_dir>/<model_name>/ for the deployment in `engine_dir`; returns that model folder.
 
@@ -99,7 +110,7 @@ def write_repository(
     spec = served_model_spec(
         model_name,
         instance_count=instance_count,
-        parameters=ModelParameters(engine_threads=engine_threads, exclude_input_in_output=exclude_input_in_output),
+        parameters=ModelParameters(engine_threads=engine_threads, exclude_input_in_output=exclude_input_in_output, protocol=protocol),
     )
 
     repo_dir.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,9 @@ model.py only converts tensors and sends. Response conventions (TensorRT-LLM's, 
 - not streamed: one final response with the whole text (prefixed with the prompt when
   exclude_input_in_output is false, as TensorRT-LLM does).
 Perf outputs (times, acceptance counters) come when the request sets return_perf_metrics; specpipe has no
-paged KV cache, so the kv_cache_* block counters are 0.
+paged KV cache, so the kv_cache_* block counters are 0. A request in the llmapi model's names streams the whole
+text so far in each response, as that model does, and gets finish_reason when it asks. `batched=False` serves
+the llmapi model's shapes (max_batch_size 0: no leading batch dimension on the outputs).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pydantic import ValidationError
 
 from specpipe.errors import UsageError
 from specpipe.speculative.generator import Generation, SpecGenerator
-from specpipe.triton.protocol import ServedRequest, check_lengths, parse_request
+from specpipe.triton.protocol import LLMAPI_FINISH_REASON, ServedRequest, check_lengths, parse_request
 
 
 @dataclass
@@ -34,9 +36,10 @@ class Reply:
 class ServedModel:
     """Wraps a loaded `specpipe.deployment.Deployment`; `replies()` answers one request."""
 
-    def __init__(self, deployment, *, exclude_input_in_output: bool = True):
+    def __init__(self, deployment, *, exclude_input_in_output: bool = True, batched: bool = True):
         self.deployment = deployment
         self.exclude_input_in_output = exclude_input_in_output
+        self.batched = batched
 
     def replies(self, tensors: Mapping[str, np.ndarray]) -> Iterator[Reply]:
         """Validate, then generate. Bad requests raise UsageError before the first reply."""
@@ -50,17 +53,26 @@ class ServedModel:
         clock = _Clock(arrival_ns)
 
         if request.stream:
+            so_far = ""
             for chunk in generation:
                 clock.tick()
-                yield Reply(self._tensors(chunk.text, chunk.token_ids, request, generation, clock), final=False)
-            yield Reply(self._final(generation, "", [], request, clock), final=True)
+                so_far += chunk.text
+                text = so_far if request.llmapi else chunk.text
+                yield Reply(self._shaped(self._tensors(text, chunk.token_ids, request, generation, clock)), final=False)
+            yield Reply(self._shaped(self._final(generation, so_far if request.llmapi else "", [], request, clock)), final=True)
         else:
             for _ in generation:
                 clock.tick()
             result = generation.result
             exclude = self.exclude_input_in_output if request.exclude_input_in_output is None else request.exclude_input_in_output
             text = result.text if exclude else request.prompt + result.text
-            yield Reply(self._final(generation, text, result.token_ids, request, clock), final=True)
+            yield Reply(self._shaped(self._final(generation, text, result.token_ids, request, clock)), final=True)
+
+    def _shaped(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Without a batch dimension (the llmapi model's max_batch_size 0), [1, ...] outputs lose their first axis."""
+        if self.batched:
+            return tensors
+        return {name: array[0] if array.ndim >= 2 else array for name, array in tensors.items()}
 
     def _generator(self, end_id: Optional[int]) -> SpecGenerator:
         """TensorRT-LLM's end_id replaces the EOS ids for this request (a cheap wrapper, engines are shared)."""
@@ -109,6 +121,9 @@ class ServedModel:
         tensors = self._tensors(text, token_ids, request, generation, clock)
         stats = {k: v for k, v in generation.result.as_dict().items() if k not in ("text", "token_ids")}
         tensors["stats_json"] = np.array([[json.dumps(stats).encode()]], dtype=np.object_)
+        if request.return_finish_reason:
+            reason = LLMAPI_FINISH_REASON[generation.result.finish_reason]
+            tensors["finish_reason"] = np.array([[reason.encode()]], dtype=np.object_)
         return tensors
 
 

@@ -64,7 +64,9 @@ class TritonPythonModel:
             deployment = load_deployment(engine_dir, threads=params.threads_per_instance(instance_count, os.cpu_count()))
         except Exception as err:  # one line in Triton's model table and in `specpipe serve`'s error
             raise pb_utils.TritonModelException(f"cannot load {engine_dir}: {type(err).__name__}: {err}") from None
-        self.model = ServedModel(deployment, exclude_input_in_output=params.exclude_input_in_output)
+        self.model = ServedModel(
+            deployment, exclude_input_in_output=params.exclude_input_in_output, batched=params.protocol != "llmapi"
+        )
         self.logger = pb_utils.Logger
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metric_families = {
