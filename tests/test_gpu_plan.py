@@ -649,3 +649,16 @@ def test_defect7_symmetric_activations_put_every_int8_activation_zero_point_at_0
     symmetric = activation_zero_points(True)
     assert symmetric and set(symmetric) == {0}
     assert set(activation_zero_points(False)) != {0}  # the check can fail: the CPU build's calibration is asymmetric
+
+
+def test_ngram_drafting_plans_ngram_decoding_without_a_draft_model(tmp_path):
+    cfg = _cfg(tmp_path, draft="ngram", quant="fp8", tp_size=8)
+    plan = make_plan(cfg)
+    assert plan.draft is None and plan.memory.draft is None and len(plan.memory.gpus) == 8
+    assert {s.id for s in plan.steps} >= {"target.resolve", "target.quantize"} and "draft.resolve" not in {s.id for s in plan.steps}
+    write_plan_repository(plan, cfg)
+    spec = yaml.safe_load((tmp_path / "repo" / "tensorrt_llm" / "1" / "model.yaml").read_text())["speculative_config"]
+    assert spec == {"decoding_type": "NGram", "max_draft_len": 8, "max_matching_ngram_size": 3, "draft_len_schedule": {1: 8, 4: 4, 8: 2}}
+    assert "n-gram lookup" in render_plan(plan)
+    with pytest.raises(UsageError, match="--draft ngram on a GPU needs --backend trtllm and the LLM-API flow"):
+        make_plan(_engine_cfg(tmp_path, draft="ngram", tp_size=8))

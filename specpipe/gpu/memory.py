@@ -71,7 +71,7 @@ class RankMemory(_Frozen):
 
 class MemoryPlan(_Frozen):
     target: ModelMemory
-    draft: ModelMemory
+    draft: Optional[ModelMemory]  # None: drafting needs no model (n-gram lookup)
     gpus: tuple[RankMemory, ...]
     gpu_memory_gb: Optional[float] = None
 
@@ -129,11 +129,11 @@ def model_memory(
     )  # fmt: skip
 
 
-def place(target: ModelMemory, draft: ModelMemory, *, shared: bool, gpu_memory_gb: Optional[float]) -> MemoryPlan:
+def place(target: ModelMemory, draft: Optional[ModelMemory], *, shared: bool, gpu_memory_gb: Optional[float]) -> MemoryPlan:
     """Target ranks on GPUs 0..tp-1; the draft on GPU 0.. (shared) or on the GPUs after the target's."""
     gpus: dict[int, list[ModelMemory]] = {i: [target] for i in range(target.tp)}
     first_draft_gpu = 0 if shared else target.tp
-    for i in range(draft.tp):
+    for i in range(draft.tp if draft is not None else 0):
         gpus.setdefault(first_draft_gpu + i, []).append(draft)
     ranks = tuple(
         RankMemory(

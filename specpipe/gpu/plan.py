@@ -37,6 +37,7 @@ SHARED_KV_FRACTION = 0.45  # each of two models on one GPU: whichever loads firs
 ALONE_KV_FRACTION = 0.9  # tensorrtllm_backend's default (docs/model_config.md)
 TP_CANDIDATES = (1, 2, 4, 8)  # one 8-GPU node: tensor parallelism wants NVLink between its ranks
 PLAN_JSON = "gpu_plan.json"
+NGRAM_DRAFT = "ngram"  # --draft ngram: prompt lookup, as the CPU build's BuildConfig.draft_kind
 SERVE_CONFIG = "trtllm-serve.yaml"  # llmapi flow: trtllm-serve's --extra_llm_api_options file, in the work folder
 
 
@@ -71,7 +72,7 @@ class Plan(_Frozen):
     versions: dict[str, str]
     limits: dict[str, int | str]
     target: PlannedModel
-    draft: PlannedModel
+    draft: Optional[PlannedModel]  # None: n-gram drafting (--draft ngram), no draft model
     steps: tuple[Step, ...]
     repository: tuple[str, ...]  # files under repo_dir
     memory: MemoryPlan
@@ -94,8 +95,10 @@ class Plan(_Frozen):
 
 def make_plan(cfg: GpuBuildConfig) -> Plan:
     """Check the request against the models, the upstream tools and the GPU memory, then lay out the steps."""
-    target, draft = resolve_shape(cfg.target), resolve_shape(cfg.draft)
-    notes = _check_pair(target, draft)
+    ngram = cfg.draft == NGRAM_DRAFT
+    target = resolve_shape(cfg.target)
+    draft = None if ngram else resolve_shape(cfg.draft)
+    notes = _check_pair(target, draft) if draft is not None else []
     if cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi" and cfg.draft_tp_size != cfg.tp_size:
         # the LLM API loads the draft into the target's executor, split over the same GPUs
         notes.append(f"the draft runs inside the target's LLM on its {cfg.tp_size} GPU(s) (tp {cfg.tp_size}), not --draft-tp-size {cfg.draft_tp_size}")
@@ -104,8 +107,9 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
     max_seq_len = cfg.max_seq_len or min(target.context_length, DEFAULT_MAX_SEQ_LEN)
     if cfg.max_input_len >= max_seq_len:
         raise UsageError(f"--max-input-len {cfg.max_input_len} must be below the sequence length {max_seq_len}")
-    if max_seq_len > min(target.context_length, draft.context_length):
-        notes.append(f"max_seq_len {max_seq_len} is beyond a model's trained context ({target.context_length} / {draft.context_length})")
+    contexts = [target.context_length] + ([draft.context_length] if draft is not None else [])
+    if max_seq_len > min(contexts):
+        notes.append(f"max_seq_len {max_seq_len} is beyond a model's trained context ({' / '.join(map(str, contexts))})")
     limits = Limits(
         dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, max_input_len=cfg.max_input_len,
         max_seq_len=max_seq_len, max_draft_len=cfg.max_draft_len, calib_size=cfg.calib_size,
@@ -120,10 +124,11 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
     first_draft = 0 if shared else cfg.tp_size
     draft_gpus = tuple(range(first_draft, first_draft + cfg.draft_tp_size))
     target_kv, draft_kv = _kv_cache_dtypes(cfg, notes)
-    jobs = [
-        ModelJob("target", target, work / "hf" / "target", cfg.quant, target_kv, cfg.tp_size, target_gpus, work / "trtllm" / "target"),
-        ModelJob("draft", draft, work / "hf" / "draft", cfg.draft_quant, draft_kv, cfg.draft_tp_size, draft_gpus, work / "trtllm" / "draft"),
-    ]  # fmt: skip
+    jobs = [ModelJob("target", target, work / "hf" / "target", cfg.quant, target_kv, cfg.tp_size, target_gpus, work / "trtllm" / "target")]
+    if draft is not None:
+        jobs.append(
+            ModelJob("draft", draft, work / "hf" / "draft", cfg.draft_quant, draft_kv, cfg.draft_tp_size, draft_gpus, work / "trtllm" / "draft")
+        )  # fmt: skip
     memory = plan_memory(cfg, target, draft, max_seq_len, kv_cache_dtypes=(target_kv, draft_kv))
     _check_fits(cfg, target, draft, max_seq_len, memory, notes)
 
@@ -171,7 +176,9 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
             )
         else:
             schedule = draft_len_schedule(cfg)
-            if is_eagle3_head(draft):
+            if draft is None:
+                notes.append("n-gram drafting (NGramDecodingConfig): drafts are looked up in the request's own tokens, no draft model")
+            elif is_eagle3_head(draft):
                 notes.append("the draft is an EAGLE-3 head: speculative_config is Eagle3 (speculation off where the schedule reaches 0)")
             notes.append(
                 f"in-flight batching: up to {cfg.max_batch_size} requests; draft length by batch size {schedule}"
@@ -189,13 +196,13 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
         versions=versions,
         limits={"dtype": cfg.dtype, "max_batch_size": cfg.max_batch_size, "max_input_len": cfg.max_input_len,
                 "max_seq_len": max_seq_len, "max_draft_len": cfg.max_draft_len},
-        target=_planned(jobs[0], cfg, work), draft=_planned(jobs[1], cfg, work),
+        target=_planned(jobs[0], cfg, work), draft=_planned(jobs[1], cfg, work) if len(jobs) > 1 else None,
         steps=tuple(steps), repository=tuple(str(p) for p in repository), memory=memory, serve=serve, notes=tuple(notes),
     )  # fmt: skip
 
 
 def plan_memory(
-    cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape, max_seq_len: int, *, tp_size: Optional[int] = None,
+    cfg: GpuBuildConfig, target: ModelShape, draft: Optional[ModelShape], max_seq_len: int, *, tp_size: Optional[int] = None,
     kv_cache_dtypes: Optional[tuple[str, str]] = None,
 ) -> MemoryPlan:
     tp = tp_size or cfg.tp_size
@@ -211,7 +218,8 @@ def plan_memory(
         )  # fmt: skip
 
     return place(
-        one("target", target, cfg.quant, tp), one("draft", draft, cfg.draft_quant, tp if _draft_follows_target(cfg) else cfg.draft_tp_size),
+        one("target", target, cfg.quant, tp),
+        one("draft", draft, cfg.draft_quant, tp if _draft_follows_target(cfg) else cfg.draft_tp_size) if draft is not None else None,
         shared=cfg.draft_placement == "shared", gpu_memory_gb=cfg.gpu_memory_gb,
     )  # fmt: skip
 
@@ -221,7 +229,7 @@ def _draft_follows_target(cfg: GpuBuildConfig) -> bool:
     return cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi"
 
 
-def suggest_tp(cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape, max_seq_len: int) -> Optional[tuple[int, float]]:
+def suggest_tp(cfg: GpuBuildConfig, target: ModelShape, draft: Optional[ModelShape], max_seq_len: int) -> Optional[tuple[int, float]]:
     """The smallest valid target tp size whose busiest GPU fits cfg.gpu_memory_gb: (tp, peak GB)."""
     for tp in TP_CANDIDATES:
         if valid_tp(target, tp) is None:
@@ -231,7 +239,7 @@ def suggest_tp(cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape, max_s
     return None
 
 
-def _check_fits(cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape, max_seq_len: int, memory: MemoryPlan, notes: list) -> None:
+def _check_fits(cfg: GpuBuildConfig, target: ModelShape, draft: Optional[ModelShape], max_seq_len: int, memory: MemoryPlan, notes: list) -> None:
     if cfg.gpu_memory_gb is None:
         notes.append("no --gpu-memory-gb given: the memory table is not checked against a GPU")
         return
@@ -251,7 +259,7 @@ def _check_fits(cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape, max_
             f"{head}: use --tp-size {best[0]} (busiest GPU {best[1]:.1f} GB)",
             peak_gb=memory.peak_gb, gpu_memory_gb=cfg.gpu_memory_gb, suggested_tp=best[0],
         )  # fmt: skip
-    if cfg.backend == "trtllm" and cfg.draft_placement == "shared":
+    if cfg.backend == "trtllm" and cfg.draft_placement == "shared" and draft is not None and not _draft_follows_target(cfg):
         alone = suggest_tp(cfg.model_copy(update={"draft_placement": "separate"}), target, draft, max_seq_len)
         if alone is not None:
             raise GpuMemoryError(
@@ -277,8 +285,10 @@ def _check_pair(target: ModelShape, draft: ModelShape) -> list[str]:
     return ["the draft/target tokenizers are compared token by token when the build resolves the checkpoints"]
 
 
-def _check_options(cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape) -> None:
+def _check_options(cfg: GpuBuildConfig, target: ModelShape, draft: Optional[ModelShape]) -> None:
     problems = []
+    if draft is None and not (cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi"):
+        raise UsageError("--draft ngram on a GPU needs --backend trtllm and the LLM-API flow (NGramDecodingConfig)")
     if cfg.backend == "tensorrt":
         if cfg.tp_size != 1 or cfg.draft_tp_size != 1:
             problems.append("the tensorrt backend builds single-GPU engines from ONNX; use --backend trtllm for --tp-size > 1")
@@ -315,9 +325,10 @@ def _check_options(cfg: GpuBuildConfig, target: ModelShape, draft: ModelShape) -
                 " turn paged context FMHA off (it keeps an fp8 KV cache only with fp8 weights): use --quant fp8, or the LLM-API flow"
             )
     if cfg.backend == "trtllm":
-        if cfg.trtllm_flow == "engine" and is_eagle3_head(draft):
+        if cfg.trtllm_flow == "engine" and draft is not None and is_eagle3_head(draft):
             problems.append("an EAGLE-3 head drafts through the LLM-API flow only; drop --trtllm-flow engine")
-        for role, shape, tp in (("target", target, cfg.tp_size), ("draft", draft, cfg.draft_tp_size)):
+        models = (("target", target, cfg.tp_size),) + ((("draft", draft, cfg.draft_tp_size),) if draft is not None else ())
+        for role, shape, tp in models:
             why = valid_tp(shape, tp)
             if why:
                 problems.append(f"{role} {shape.spec}: {why}")
@@ -354,7 +365,7 @@ def _resolve_steps(cfg: GpuBuildConfig, work: Path) -> list[Step]:
     from specpipe.checkpoint import get_alias
 
     steps = []
-    for role, spec in (("target", cfg.target), ("draft", cfg.draft)):
+    for role, spec in (("target", cfg.target), ("draft", cfg.draft))[: 1 if cfg.draft == NGRAM_DRAFT else 2]:
         facts = get_alias(spec)
         steps.append(
             Step(
@@ -526,7 +537,7 @@ def write_plan_repository(plan: Plan, cfg: GpuBuildConfig) -> list[Path]:
     written = []
     if cfg.trtllm_flow == "llmapi":
         schedule = draft_len_schedule(cfg)
-        model_yaml = llmapi_model_yaml(jobs[0], jobs[1], limits, kv_fraction, schedule).to_yaml()
+        model_yaml = llmapi_model_yaml(jobs[0], _draft_job(jobs), limits, kv_fraction, schedule).to_yaml()
         written.append(write_serve_config(plan, cfg))
     return trtllm_repo.write_repository(models, Path(plan.repo_dir), model_yaml=model_yaml) + written
 
@@ -541,7 +552,7 @@ def write_serve_config(plan: Plan, cfg: GpuBuildConfig) -> Path:
     kv_fraction = cfg.kv_cache_free_gpu_mem_fraction or (SHARED_KV_FRACTION if cfg.draft_placement == "shared" else ALONE_KV_FRACTION)
     path = Path(plan.work_dir) / SERVE_CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(trtllm_serve_config(jobs[0], jobs[1], limits, kv_fraction, draft_len_schedule(cfg)).to_yaml(exclude=("model",)))
+    path.write_text(trtllm_serve_config(jobs[0], _draft_job(jobs), limits, kv_fraction, draft_len_schedule(cfg)).to_yaml(exclude=("model",)))
     return path
 
 
@@ -549,8 +560,12 @@ def _jobs_from_plan(plan: Plan) -> list[ModelJob]:
     work = Path(plan.work_dir)
     return [
         ModelJob(m.role, m.shape, work / "hf" / m.role, m.quant, m.kv_cache_dtype, m.tp, m.gpus, work / "trtllm" / m.role)  # type: ignore[arg-type]
-        for m in (plan.target, plan.draft)
+        for m in (plan.target, plan.draft) if m is not None
     ]
+
+
+def _draft_job(jobs: list[ModelJob]) -> Optional[ModelJob]:
+    return jobs[1] if len(jobs) > 1 else None
 
 
 def _planned(job: ModelJob, cfg: GpuBuildConfig, work: Path) -> PlannedModel:
@@ -574,6 +589,9 @@ def render_plan(plan: Plan) -> str:
     lines += ["  versions: " + ", ".join(f"{k} {v}" for k, v in plan.versions.items())]
     lines += ["  limits: " + ", ".join(f"{k}={v}" for k, v in plan.limits.items())]
     for m in (plan.target, plan.draft):
+        if m is None:
+            lines.append("  draft  n-gram lookup in the request's own tokens (no draft model)")
+            continue
         s = m.shape
         lines.append(
             f"  {m.role:6} {s.spec}: {s.params / 1e9:.2f}B params, {s.layers} layers, hidden {s.hidden}, heads {s.heads}/{s.kv_heads} kv,"
@@ -607,7 +625,12 @@ def _render_memory(memory: MemoryPlan) -> str:
     lines = [
         "GPU memory (estimate, GB = 1e9 bytes; see specpipe/gpu/memory.py for the rules):",
         f"  target weights {t.weights_total_gb:.1f} GB in all, {t.weights_gb:.2f} per rank x {t.tp}; KV {t.kv_bytes_per_token} B/token/rank x {t.kv_tokens} tokens",
-        f"  draft  weights {d.weights_total_gb:.1f} GB in all, {d.weights_gb:.2f} per rank x {d.tp}; KV {d.kv_bytes_per_token} B/token/rank x {d.kv_tokens} tokens",
+    ]
+    if d is not None:
+        lines.append(
+            f"  draft  weights {d.weights_total_gb:.1f} GB in all, {d.weights_gb:.2f} per rank x {d.tp}; KV {d.kv_bytes_per_token} B/token/rank x {d.kv_tokens} tokens"
+        )
+    lines += [
         f"  {'GPU':>3}  {'weights':>8}  {'KV cache':>8}  {'reserve':>7}  {'total':>7}  models",
     ]
     for g in memory.gpus:

@@ -261,7 +261,16 @@ class Eagle3Spec(_Strict):
     max_concurrency: Optional[int] = Field(None, ge=0)
 
 
-SpeculativeSpec = Annotated[Union[DraftTargetSpec, Eagle3Spec], Field(discriminator="decoding_type")]
+class NGramSpec(_Strict):
+    """NGramDecodingConfig: drafts looked up in the request's own tokens (specpipe's --draft ngram)."""
+
+    decoding_type: Literal["NGram"] = upstream.DECODING_TYPES["ngram"]  # type: ignore[assignment]
+    max_draft_len: int = Field(gt=0)
+    max_matching_ngram_size: int = Field(gt=0)
+    draft_len_schedule: Optional[dict[int, int]] = None
+
+
+SpeculativeSpec = Annotated[Union[DraftTargetSpec, Eagle3Spec, NGramSpec], Field(discriminator="decoding_type")]
 
 
 class KvCacheSpec(_Strict):
@@ -315,15 +324,23 @@ def is_eagle3_head(shape: ModelShape) -> bool:
     return shape.architecture in upstream.EAGLE3_ARCHITECTURES
 
 
-def llmapi_args(target: ModelJob, draft: ModelJob, limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> dict[str, Any]:
-    """The LLM(...) arguments both serving paths share."""
-    draft_dir = str(llmapi_model_dir(draft).absolute())  # Triton's working directory is not the build's
+def llmapi_args(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> dict[str, Any]:
+    """The LLM(...) arguments both serving paths share. `draft` None: n-gram drafting."""
     spec: Any
-    if is_eagle3_head(draft.shape):
+    if draft is None:
+        from specpipe.config import NgramConfig  # the CPU build's lookup sizes: one default for both
+
+        spec = NGramSpec(max_draft_len=limits.max_draft_len, max_matching_ngram_size=NgramConfig().ngram_max, draft_len_schedule=schedule)
+    elif is_eagle3_head(draft.shape):
         off = [batch for batch, draft_len in schedule.items() if draft_len == 0]
-        spec = Eagle3Spec(max_draft_len=limits.max_draft_len, speculative_model=draft_dir, max_concurrency=min(off) - 1 if off else None)
-    else:
-        spec = DraftTargetSpec(max_draft_len=limits.max_draft_len, speculative_model=draft_dir, draft_len_schedule=schedule)
+        spec = Eagle3Spec(
+            max_draft_len=limits.max_draft_len, speculative_model=str(llmapi_model_dir(draft).absolute()),
+            max_concurrency=min(off) - 1 if off else None,
+        )  # fmt: skip
+    else:  # absolute paths: Triton's working directory is not the build's
+        spec = DraftTargetSpec(
+            max_draft_len=limits.max_draft_len, speculative_model=str(llmapi_model_dir(draft).absolute()), draft_len_schedule=schedule
+        )
     return dict(
         model=str(llmapi_model_dir(target).absolute()),
         tensor_parallel_size=target.tp,
@@ -336,11 +353,11 @@ def llmapi_args(target: ModelJob, draft: ModelJob, limits: Limits, kv_fraction: 
     )
 
 
-def llmapi_model_yaml(target: ModelJob, draft: ModelJob, limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> LlmApiModelYaml:
+def llmapi_model_yaml(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> LlmApiModelYaml:
     return LlmApiModelYaml(**llmapi_args(target, draft, limits, kv_fraction, schedule))
 
 
-def trtllm_serve_config(target: ModelJob, draft: ModelJob, limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> LlmApiArgs:
+def trtllm_serve_config(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> LlmApiArgs:
     return LlmApiArgs(**llmapi_args(target, draft, limits, kv_fraction, schedule))
 
 
