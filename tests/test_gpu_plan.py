@@ -659,6 +659,9 @@ def test_ngram_drafting_plans_ngram_decoding_without_a_draft_model(tmp_path):
     write_plan_repository(plan, cfg)
     spec = yaml.safe_load((tmp_path / "repo" / "tensorrt_llm" / "1" / "model.yaml").read_text())["speculative_config"]
     assert spec == {"decoding_type": "NGram", "max_draft_len": 8, "max_matching_ngram_size": 3, "draft_len_schedule": {1: 8, 4: 4, 8: 2}}
-    assert "n-gram lookup" in render_plan(plan)
+    assert "n-gram lookup" in render_plan(plan) and not any("inside the target's LLM" in n for n in plan.notes)
+    assert yaml.safe_load((tmp_path / "engines" / plan.name / "trtllm-serve.yaml").read_text())["kv_cache_config"][
+        "free_gpu_memory_fraction"
+    ] == 0.9  # no draft model shares the GPUs
     with pytest.raises(UsageError, match="--draft ngram on a GPU needs --backend trtllm and the LLM-API flow"):
         make_plan(_engine_cfg(tmp_path, draft="ngram", tp_size=8))

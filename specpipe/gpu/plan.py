@@ -99,7 +99,7 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
     target = resolve_shape(cfg.target)
     draft = None if ngram else resolve_shape(cfg.draft)
     notes = _check_pair(target, draft) if draft is not None else []
-    if cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi" and cfg.draft_tp_size != cfg.tp_size:
+    if cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi" and cfg.draft_tp_size != cfg.tp_size and not ngram:
         # the LLM API loads the draft into the target's executor, split over the same GPUs
         notes.append(f"the draft runs inside the target's LLM on its {cfg.tp_size} GPU(s) (tp {cfg.tp_size}), not --draft-tp-size {cfg.draft_tp_size}")
         cfg = cfg.model_copy(update={"draft_tp_size": cfg.tp_size})
@@ -142,7 +142,7 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
     else:
         flow = cfg.trtllm_flow
         steps = _resolve_steps(cfg, work)
-        kv_fraction = cfg.kv_cache_free_gpu_mem_fraction or (SHARED_KV_FRACTION if shared else ALONE_KV_FRACTION)
+        kv_fraction = _kv_fraction(cfg)
         if flow == "engine":
             steps += engine_flow_steps(jobs, limits, Path(cfg.trtllm_checkout))
         else:
@@ -531,7 +531,7 @@ def write_plan_repository(plan: Plan, cfg: GpuBuildConfig) -> list[Path]:
         dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, max_input_len=cfg.max_input_len,
         max_seq_len=int(plan.limits["max_seq_len"]), max_draft_len=cfg.max_draft_len, calib_size=cfg.calib_size,
     )  # fmt: skip
-    kv_fraction = cfg.kv_cache_free_gpu_mem_fraction or (SHARED_KV_FRACTION if cfg.draft_placement == "shared" else ALONE_KV_FRACTION)
+    kv_fraction = _kv_fraction(cfg)
     models = repository_models(cfg, jobs, limits, Path(plan.work_dir), kv_fraction)
     model_yaml = None
     written = []
@@ -549,7 +549,7 @@ def write_serve_config(plan: Plan, cfg: GpuBuildConfig) -> Path:
         dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, max_input_len=cfg.max_input_len,
         max_seq_len=int(plan.limits["max_seq_len"]), max_draft_len=cfg.max_draft_len, calib_size=cfg.calib_size,
     )  # fmt: skip
-    kv_fraction = cfg.kv_cache_free_gpu_mem_fraction or (SHARED_KV_FRACTION if cfg.draft_placement == "shared" else ALONE_KV_FRACTION)
+    kv_fraction = _kv_fraction(cfg)
     path = Path(plan.work_dir) / SERVE_CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(trtllm_serve_config(jobs[0], _draft_job(jobs), limits, kv_fraction, draft_len_schedule(cfg)).to_yaml(exclude=("model",)))
@@ -562,6 +562,13 @@ def _jobs_from_plan(plan: Plan) -> list[ModelJob]:
         ModelJob(m.role, m.shape, work / "hf" / m.role, m.quant, m.kv_cache_dtype, m.tp, m.gpus, work / "trtllm" / m.role)  # type: ignore[arg-type]
         for m in (plan.target, plan.draft) if m is not None
     ]
+
+
+def _kv_fraction(cfg: GpuBuildConfig) -> float:
+    """Each model's share of free GPU memory for its KV cache: half each when the draft shares the GPU."""
+    if cfg.kv_cache_free_gpu_mem_fraction is not None:
+        return cfg.kv_cache_free_gpu_mem_fraction
+    return SHARED_KV_FRACTION if cfg.draft_placement == "shared" and cfg.draft != NGRAM_DRAFT else ALONE_KV_FRACTION
 
 
 def _draft_job(jobs: list[ModelJob]) -> Optional[ModelJob]:
