@@ -432,6 +432,6 @@ class GpuBuildConfig(Strict):
     draft_len_schedule: Optional[dict[int, int]] = Field(
         None,
         description="llmapi flow: {batch size: draft length} for TensorRT-LLM's in-flight batching (0 = no speculation);"
-        " None = K up to batch 2, then halved at each doubling of the batch",
+        " None = K below batch 4, halved at 4 and at each doubling after (specpipe.gpu.trtllm.default_draft_len_schedule)",
     )
     dry_run: bool = Field(False, description="print the plan and write the Triton repository; run no GPU step")

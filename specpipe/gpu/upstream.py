@@ -119,9 +119,9 @@ PYTHON_MODEL_FILES = {
 # ---- LLM API path (the forward path after the removal) ---------------------------------------------------
 # tensorrt_llm.llmapi.DraftTargetDecodingConfig: fields max_draft_len and speculative_model (alias
 # speculative_model_dir); as a dict, DecodingBaseConfig.from_dict dispatches on decoding_type "DraftTarget"
-# (gh-pages 1.2.1/_modules/tensorrt_llm/llmapi/llm_args.html @58fb435e). The docs' example also passes
-# disable_overlap_scheduler=True (1.2.1/features/speculative-decoding.html).
-LLMAPI_DRAFT_TARGET_TYPE = "DraftTarget"
+# (gh-pages 1.2.1/_modules/tensorrt_llm/llmapi/llm_args.html @58fb435e; DECODING_TYPES below). The 1.2.1 docs'
+# draft-target example also passes disable_overlap_scheduler=True (1.2.1/features/speculative-decoding.html;
+# not re-checked for 1.3: tests/test_gpu_llmapi.py validates the YAML with the installed TorchLlmArgs).
 # Triton's llmapi model: triton_backend/all_models/llmapi/tensorrt_llm/1/model.yaml (@0ebb1536) is passed
 # to LLM(**yaml) except `triton_config` ({max_batch_size, decoupled}); model.py reads it via
 # update_llm_args_with_extra_dict (speculative_config -> DecodingBaseConfig.from_dict).
