@@ -218,6 +218,9 @@ class GateConfig(Strict):
 DistillData = Literal["answers", "stdlib"]
 
 
+DistillDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
 class DistillConfig(Strict):
     """`specpipe distill`: train a small draft for a target on CPU, toward the target's next-token distribution.
 
@@ -232,7 +235,18 @@ class DistillConfig(Strict):
         0, ge=0, description="hidden size of the draft; 0 = the target's: embedding, head and layers start as the "
         "target's (narrower: projected onto the target's principal directions)"
     )
-    minutes: float = Field(12.0, gt=0, description="time budget in minutes: target answers + training")
+    minutes: float = Field(
+        12.0, gt=0, description="time budget in minutes: target answers + training; with --answer-tokens/--train-tokens "
+        "a cap on each phase (its share of the minutes), not the budget"
+    )
+    answer_tokens: Optional[int] = Field(
+        None, ge=1, description="work budget: generate target answers until they hold this many tokens (the same data "
+        "on any machine; default: as many as --minutes allows)"
+    )
+    train_tokens: Optional[int] = Field(
+        None, ge=1, description="work budget: train on this many tokens (the same training on any machine; default: "
+        "as many as --minutes allows)"
+    )
     data_fraction: float = Field(0.6, ge=0.0, lt=1.0, description="share of --minutes for generating target answers")
     seed: int = 0
     data: list[DistillData] = Field(
@@ -244,7 +258,14 @@ class DistillConfig(Strict):
     answer_batch: int = Field(48, ge=1, description="prompts the target answers at once")
     sample_temperature: float = Field(0.7, gt=0.0, description="temperature of answers after the greedy first pass")
     teacher_top_k: int = Field(32, ge=1, description="target probabilities kept per position")
-    teacher_dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="precision the target answers in")
+    teacher_dtype: DistillDtype = Field(
+        "auto", description="precision the target answers in; auto: time each on this machine for a second, keep the faster"
+    )
+    train_dtype: DistillDtype = Field(
+        "auto", description="precision of the draft's training matmuls (autocast; weights stay fp32); auto: measured as above"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the target answers and the draft trains; "
+                                                   "auto: CUDA when torch sees a GPU")
     lr: float = Field(1e-3, gt=0.0, description="peak learning rate (AdamW, cosine over the budget)")
     batch_tokens: int = Field(4096, ge=64, description="tokens per training step")
     negatives: int = Field(2048, ge=0, description="random vocabulary entries scored with the teacher's top-k each step")

@@ -65,6 +65,18 @@ def test_distill_writes_a_checkpoint_that_shares_the_tokenizer(distilled, tiny_t
     assert record["training"]["steps"] >= 1
     assert record["data"]["answer_tokens"] > 0
     assert 0 < record["draft"]["weights_read_per_token_vs_target"] < 1
+    # auto precision: both phases measured both candidates here and kept the faster
+    for phase in ("teacher", "train"):
+        choice = record["precision"][phase]
+        assert set(choice["tokens_per_s"]) == {"float32", "bfloat16"}
+        assert choice["dtype"] == max(choice["tokens_per_s"], key=choice["tokens_per_s"].get)
+    assert record["device"] == "cpu"
+    verdict = record["verdict"]  # the one-line verdict's numbers
+    if record["held_out_agreement"] is not None:
+        assert verdict["agreement"] == pytest.approx(record["held_out_agreement"], abs=1e-4)
+    assert 0 <= verdict["agreement"] <= 1
+    assert 1 <= verdict["best_k"] <= 16 and verdict["predicted_speedup"] > 0
+    assert verdict["step_costs"]["draft"] > 0
 
     from specpipe.checkpoint.draft_vocab import read_ranking
 
@@ -106,6 +118,33 @@ def test_training_learns_from_the_teacher(tiny_target, cache, tmp_path):
     losses = [trainer.step()[0] for _ in range(100)]
     assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:10]) / 10
     assert agreement(student, data) > before + 0.15
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def test_work_budgets_give_the_same_draft_whatever_was_cached(tiny_target, tmp_path, monkeypatch):
+    """--answer-tokens/--train-tokens fix the work, not the time: the same budget and seed give the same
+    data and the same weights, also when the cache holds answers from a run with a larger budget."""
+    from specpipe.distill import distill
+
+    budgets = dict(answer_tokens=60, train_tokens=1500, minutes=30, teacher_dtype="float32", train_dtype="float32")
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "fresh"))
+    fresh = distill(_tiny_cfg(tiny_target, tmp_path / "fresh-draft", **budgets))
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "reused"))
+    larger = distill(_tiny_cfg(tiny_target, tmp_path / "larger", **{**budgets, "answer_tokens": 150}))
+    reused = distill(_tiny_cfg(tiny_target, tmp_path / "reused-draft", **budgets))
+
+    assert larger.record["data"]["answer_tokens"] > fresh.record["data"]["answer_tokens"] >= 60 - 12
+    assert reused.record["data"] == fresh.record["data"]
+    for record in (fresh.record, reused.record):
+        assert 1500 <= record["training"]["tokens_seen"] < 1500 + 256  # stops after the step that reaches it
+    a, b = _weights(fresh.path), _weights(reused.path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert reused.record["kept_step"] == fresh.record["kept_step"]
 
 
 def test_student_starts_as_the_target_projected(tiny_target):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import get_args
 
 import click
 
-from specpipe.config import DistillConfig, field_default, field_help, make_config
+from specpipe.config import DistillConfig, DistillDtype, field_default, field_help, make_config
 
 
 def _option(name: str, **kwargs):
@@ -23,6 +24,8 @@ def _option(name: str, **kwargs):
 @_option("--layers", type=int)
 @_option("--width", type=int)
 @_option("--minutes", type=float)
+@_option("--answer-tokens", type=int)
+@_option("--train-tokens", type=int)
 @_option("--data-fraction", type=float)
 @_option("--seed", type=int)
 @click.option("--data", multiple=True, type=click.Choice(["answers", "stdlib"]),
@@ -30,7 +33,9 @@ def _option(name: str, **kwargs):
 @click.option("--prompts", type=click.Path(path_type=Path), default=None, help=field_help(DistillConfig, "prompts"))
 @_option("--max-answer-tokens", type=int)
 @_option("--answer-batch", type=int)
-@_option("--teacher-dtype", type=click.Choice(["float32", "bfloat16"]))
+@_option("--teacher-dtype", type=click.Choice(list(get_args(DistillDtype))))
+@_option("--train-dtype", type=click.Choice(list(get_args(DistillDtype))))
+@_option("--device", type=click.Choice(["auto", "cpu", "cuda"]))
 @_option("--lr", type=float)
 @_option("--batch-tokens", type=int)
 @_option("--negatives", type=int)
@@ -47,11 +52,20 @@ def distill(as_json: bool, data, **options) -> None:
     spends its whole budget training.
 
     \b
+    Budgets: --minutes alone spends that much time (a faster machine gets a better draft);
+    --answer-tokens and --train-tokens fix the work instead (the same draft on any machine), with
+    --minutes as a cap. Precision (--teacher-dtype, --train-dtype) is chosen by timing fp32 and
+    bf16 on this machine for about a second each, unless given.
+
+    \b
     Example:
       specpipe distill --target smollm2-135m --out drafts/smollm2-draft --minutes 12
+      specpipe distill --target smollm2-135m --out D --answer-tokens 40000 --train-tokens 400000 --minutes 30
     """
     from specpipe.distill import RichDistillProgress
     from specpipe.distill import distill as run_distill
+    from specpipe.distill.precision import PrecisionChoice
+    from specpipe.distill.verdict import verdict_line
 
     cfg = make_config(DistillConfig, data=list(data), **options)
     progress = RichDistillProgress()
@@ -69,5 +83,9 @@ def distill(as_json: bool, data, **options) -> None:
                f"{draft['weights_read_per_token_vs_target']:.3f}x the target's weights read per token")
     click.echo(f"  data: {data_info['sequences']} sequences, {data_info['answer_tokens']:,} answer tokens")
     click.echo(f"  training: {training['steps']} steps, {training['epochs']} epochs, loss {training['final_loss']}")
+    for choice in record["precision"].values():
+        click.echo(f"  precision {PrecisionChoice(**choice).describe()} on {record['device']}")
     if record["held_out_agreement"] is not None:
         click.echo(f"  agreement with the target's greedy answers on held-out prompts: {record['held_out_agreement']:.3f}")
+    if "verdict" in record:
+        click.echo(f"  {verdict_line(record['verdict'])}")

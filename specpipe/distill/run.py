@@ -56,13 +56,16 @@ def _nearest_existing_parent(path: Path) -> Path:
     return path
 
 
-def _teacher_cache_key(cfg: DistillConfig, target, prompts: list[dict], source: str) -> dict:
+def _teacher_cache_key(cfg: DistillConfig, target, prompts: list[dict], source: str, dtype: str, device) -> dict:
     import hashlib
 
     prompts_hash = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
-    return {"format": 1, "source": source, "target_weights": target.weights_sha256, "prompts": prompts_hash,
-            "max_answer_tokens": cfg.max_answer_tokens, "top_k": cfg.teacher_top_k, "dtype": cfg.teacher_dtype,
-            "sample_temperature": cfg.sample_temperature, "batch": cfg.answer_batch, "seed": cfg.seed}
+    key = {"format": 1, "source": source, "target_weights": target.weights_sha256, "prompts": prompts_hash,
+           "max_answer_tokens": cfg.max_answer_tokens, "top_k": cfg.teacher_top_k, "dtype": dtype,
+           "sample_temperature": cfg.sample_temperature, "batch": cfg.answer_batch, "seed": cfg.seed}
+    if device.type != "cpu":  # kernels differ by device; CPU keys stay as they were (caches remain valid)
+        key["device"] = device.type
+    return key
 
 
 def _read_prompts(path: Path) -> list[dict]:
@@ -81,55 +84,99 @@ def _read_prompts(path: Path) -> list[dict]:
     return prompts
 
 
-def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int], progress: DistillProgress):
-    """Generate (or reuse) the target's answers and, if asked, labelled stdlib text. Returns sequences."""
-    import torch
+class _Teachers:
+    """The target in each precision asked for, made once: fp32 on the CPU is the loaded model itself (kept
+    exact for initialising the draft); others are copies."""
 
+    def __init__(self, model, device):
+        self.model, self.device, self.made = model, device, {}
+
+    def __call__(self, dtype: str):
+        import torch
+
+        if dtype not in self.made:
+            if dtype == "float32" and self.device.type == "cpu":
+                self.made[dtype] = self.model
+            else:
+                teacher = copy.deepcopy(self.model).to(device=self.device, dtype=getattr(torch, dtype))
+                # Batched answers are left-padded, so attention runs with a mask; in bf16 on CPU torch's SDPA
+                # then takes a slow path (batch 48, 200-token context: 251 ms/step vs 161 ms eager; fp32: equal).
+                teacher.set_attn_implementation("eager")
+                self.made[dtype] = teacher
+        return self.made[dtype]
+
+    def probe(self, dtype: str, prompt_ids: list[list[int]]):
+        """A forward pass over a few real prompts' first tokens: the teacher's matmul shapes, briefly."""
+        import torch
+
+        rows = torch.tensor([ids[:8] for ids in prompt_ids[:2] if len(ids) >= 8] or [[0] * 8], device=self.device)
+
+        def call() -> int:
+            with torch.inference_mode():
+                self(dtype)(input_ids=rows)
+            return rows.numel()
+
+        return call
+
+    def release(self) -> None:
+        self.made.clear()
+
+
+def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int], progress: DistillProgress,
+                  device, precision: dict):
+    """Generate (or reuse) the target's answers and, if asked, labelled stdlib text. Returns sequences.
+    Sets precision["teacher"] to the PrecisionChoice it used."""
     from specpipe.checkpoint import cache_dir
+    from specpipe.distill.precision import choose_precision
     from specpipe.distill.prompts import training_prompts
     from specpipe.distill.teacher import TeacherCache, generate_teacher_data, label_text, stdlib_windows
 
     budget_s = cfg.minutes * 60 * cfg.data_fraction / len(cfg.data)
     root = cache_dir() / "distill-data"
     sequences = []
-    teacher = None
-
-    def teacher_model():
-        nonlocal teacher
-        if teacher is None:
-            # A copy: the fp32 model stays exact for initialising the draft.
-            dtype = getattr(torch, cfg.teacher_dtype)
-            teacher = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
-            if teacher is not model:
-                # Batched answers are left-padded, so attention runs with a mask; in bf16 on CPU torch's SDPA
-                # then takes a slow path (batch 48, 200-token context: 251 ms/step vs 161 ms eager; fp32: equal).
-                teacher.set_attn_implementation("eager")
-        return teacher
+    teachers = _Teachers(model, device)
+    prompts = (_read_prompts(cfg.prompts) if cfg.prompts else []) + training_prompts(cfg.seed)
+    probe_ids = [tokenizer(p["prompt"])["input_ids"] for p in prompts[:2]]
+    choice = choose_precision("teacher", cfg.teacher_dtype, device, lambda dtype: teachers.probe(dtype, probe_ids))
+    precision["teacher"] = choice
+    progress.log(f"precision {choice.describe()}")
+    dtype = choice.dtype
 
     if "answers" in cfg.data:
-        prompts = (_read_prompts(cfg.prompts) if cfg.prompts else []) + training_prompts(cfg.seed)
-        cache = TeacherCache.for_settings(root, _teacher_cache_key(cfg, target, prompts, "answers"))
-        if cache.seconds < budget_s:
-            progress.phase("teacher", budget_s, "target answers")
+        cache = TeacherCache.for_settings(root, _teacher_cache_key(cfg, target, prompts, "answers", dtype, device))
+        budget_tokens = cfg.answer_tokens
+        complete = cache.answer_tokens >= budget_tokens if budget_tokens else cache.seconds >= budget_s
+        if not complete:
+            # With a work budget the bar counts answer tokens, so its ETA comes from the measured rate.
+            total = budget_tokens or budget_s
+            progress.phase("teacher", total, f"target answers ({dtype})")
             made = {"tokens": 0}
+
+            def done_so_far() -> float:
+                return min(cache.answer_tokens if budget_tokens else cache.seconds, total)
 
             def on_batch(tokens: int, seconds: float) -> None:
                 made["tokens"] += tokens
-                progress.update(min(cache.seconds, budget_s), answers=cache.answered, tokens=made["tokens"],
+                progress.update(done_so_far(), answers=cache.answered, tokens=made["tokens"],
                                 tok_s=tokens / seconds if seconds else 0.0)
 
-            progress.update(cache.seconds, answers=cache.answered)
+            progress.update(done_so_far(), answers=cache.answered)
             generate_teacher_data(
-                teacher_model(), tokenizer, cache, prompts, budget_s=budget_s, batch_size=cfg.answer_batch,
-                max_new_tokens=cfg.max_answer_tokens, eos_token_ids=eos_ids, top_k=cfg.teacher_top_k,
-                sample_temperature=cfg.sample_temperature, seed=cfg.seed, on_batch=on_batch,
+                teachers(dtype), tokenizer, cache, prompts, budget_s=budget_s, budget_tokens=budget_tokens,
+                batch_size=cfg.answer_batch, max_new_tokens=cfg.max_answer_tokens, eos_token_ids=eos_ids,
+                top_k=cfg.teacher_top_k, sample_temperature=cfg.sample_temperature, seed=cfg.seed, on_batch=on_batch,
             )
+            if budget_tokens and cache.answer_tokens < budget_tokens:
+                progress.log(f"time cap (--minutes) reached at {cache.answer_tokens:,} of {budget_tokens:,} answer "
+                             "tokens: this draft's data differs from a run that finishes the budget")
         else:
-            progress.log(f"reusing {cache.answered} cached target answers ({cache.seconds:.0f} s of generation)")
-        sequences += cache.load()
+            progress.log(f"reusing {cache.answered} cached target answers ({cache.answer_tokens:,} tokens, "
+                         f"{cache.seconds:.0f} s of generation)")
+        sequences += cache.load(max_answer_tokens=budget_tokens)
 
     if "stdlib" in cfg.data:
-        cache = TeacherCache.for_settings(root, _teacher_cache_key(cfg, target, [], "stdlib"))
+        teacher_model = lambda: teachers(dtype)  # noqa: E731
+        cache = TeacherCache.for_settings(root, _teacher_cache_key(cfg, target, [], "stdlib", dtype, device))
         if cache.seconds < budget_s:
             progress.phase("stdlib", budget_s, "stdlib labels")
             for window in stdlib_windows(tokenizer, window=256, seed=cfg.seed + cache.answered):
@@ -140,6 +187,7 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
                 if cache.seconds >= budget_s:
                     break
         sequences += cache.load()
+    teachers.release()
     return sequences
 
 
@@ -152,9 +200,15 @@ def distill(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> D
     from specpipe.distill.student import draft_cost_ratio, make_student
     from specpipe.distill.train import Trainer
 
+    from specpipe.distill.precision import choose_precision, resolve_device
+    from specpipe.distill.verdict import measure_costs, verdict, verdict_line
+
     progress = progress or SilentProgress()
     started = time.perf_counter()
     out = check_out_dir(cfg)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA device here (use --device auto or cpu)")
+    device = resolve_device(cfg.device)
     torch.set_num_threads(cfg.threads)
 
     target = resolve_checkpoint(cfg.target)
@@ -163,28 +217,38 @@ def distill(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> D
     model = load_causal_lm(target.path)
     eos_ids = _eos_ids(target.path, tokenizer)
 
-    sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress)
+    precision: dict = {}
+    sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress, device, precision)
     held_out = [s for i, s in enumerate(sequences) if s.prompt_len and i % 20 == 19][:HELD_OUT_MAX]
     held_ids = {id(s) for s in held_out}
     train_set = [s for s in sequences if id(s) not in held_ids] or sequences
 
     # The projection basis comes from the target's residual stream on a few of its own answers.
     samples = [s.token_ids for s in train_set[:16]]
-    student = make_student(model, layers=cfg.layers, width=cfg.width, seed=cfg.seed, samples=samples)
+    student = make_student(model, layers=cfg.layers, width=cfg.width, seed=cfg.seed, samples=samples).to(device)
     state_path = out / STATE_DIR / "state.pt"
     if cfg.force and out.is_dir() and not cfg.resume:
         shutil.rmtree(out)
     train_budget_s = cfg.minutes * 60 * (1 - cfg.data_fraction)
     trainer = Trainer(student, train_set, budget_s=train_budget_s, lr=cfg.lr, batch_tokens=cfg.batch_tokens,
                       negatives=cfg.negatives, seed=cfg.seed, state_path=state_path,
-                      checkpoint_every=cfg.checkpoint_every, held_out=held_out)
+                      checkpoint_every=cfg.checkpoint_every, budget_tokens=cfg.train_tokens, held_out=held_out)
+    # fp16 training would need loss scaling: the training candidates are fp32 and bf16 on any device.
+    choice = choose_precision("train", cfg.train_dtype, device, trainer.probe, options=["float32", "bfloat16"])
+    precision["train"] = choice
+    trainer.dtype = choice.dtype
+    progress.log(f"precision {choice.describe()}")
     if cfg.resume:
         trainer.load()
         progress.log(f"resumed at step {trainer.state.step} ({trainer.state.elapsed_s:.0f} s of {train_budget_s:.0f} s)")
-    progress.phase("train", train_budget_s, "training draft")
+    total = cfg.train_tokens or train_budget_s
+    progress.phase("train", total, f"training draft ({choice.dtype})")
     state = trainer.run(on_step=lambda r: progress.update(
-        min(r.elapsed_s, r.budget_s), loss=r.loss, agree=r.agreement, tok_s=r.tokens_per_s))
+        min(r.tokens_seen if cfg.train_tokens else r.elapsed_s, total), loss=r.loss, agree=r.agreement,
+        tok_s=r.tokens_per_s))
     trainer.save()
+    if cfg.train_tokens and state.tokens_seen < cfg.train_tokens:
+        progress.log(f"time cap (--minutes) reached at {state.tokens_seen:,} of {cfg.train_tokens:,} training tokens")
 
     best = trainer.best
     record = {
@@ -206,8 +270,18 @@ def distill(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> D
         "held_out_agreement": best[0] if best else None,
         "kept_step": best[1] if best else state.step,
         "held_out_curve": state.evals,
+        "device": str(device),
+        "precision": {phase: choice.as_dict() for phase, choice in precision.items()},
         "wall_s": round(time.perf_counter() - started, 1),
     }
+    student.eval()
+    # Too few answers for a held-out set (a tiny budget): the training agreement stands in, and says so.
+    measured_on = "held-out answers" if best else "training batches (no held-out answers)"
+    acceptance = best[0] if best else (state.recent_agreement if state.recent_agreement == state.recent_agreement else 0.0)
+    record["verdict"] = {**verdict(acceptance, measure_costs(model.to(device), student)), "agreement_on": measured_on}
+    progress.log(verdict_line(record["verdict"]))
+    model.to("cpu")
+    student.to("cpu")
     from specpipe.checkpoint.draft_vocab import count_tokens
 
     counts = count_tokens(sequences, model.config.vocab_size)  # what the draft learned to predict

@@ -39,6 +39,10 @@ class TeacherSequence:
     def __len__(self) -> int:
         return int(self.token_ids.numel())
 
+    @property
+    def answer_tokens(self) -> int:
+        return len(self) - self.prompt_len if self.prompt_len else 0
+
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("token_ids", "top_ids", "top_logprobs", "prompt_len", "kind")}
 
@@ -66,10 +70,23 @@ class TeacherCache:
     def answered(self) -> int:
         return int(self.meta["answered"])
 
-    def load(self) -> list[TeacherSequence]:
-        sequences = []
+    @property
+    def answer_tokens(self) -> int:
+        """Answer tokens in the cache (caches written before this count existed are counted once)."""
+        if "answer_tokens" not in self.meta:
+            self.meta["answer_tokens"] = sum(s.answer_tokens for s in self.load())
+        return int(self.meta["answer_tokens"])
+
+    def load(self, max_answer_tokens: Optional[int] = None) -> list[TeacherSequence]:
+        """The shards in the order they were made; with a budget, only as many as a run with that budget
+        made (it stops after the shard that reaches the budget), so a larger cache gives the same data."""
+        sequences, tokens = [], 0
         for shard in sorted(self.folder.glob(SHARD_GLOB)):
-            sequences += [TeacherSequence(**item) for item in torch.load(shard, weights_only=True)]
+            if max_answer_tokens is not None and tokens >= max_answer_tokens:
+                break
+            items = [TeacherSequence(**item) for item in torch.load(shard, weights_only=True)]
+            sequences += items
+            tokens += sum(s.answer_tokens for s in items)
         return sequences
 
     def append(self, sequences: list[TeacherSequence], seconds: float, answered: int) -> None:
@@ -78,15 +95,16 @@ class TeacherCache:
         tmp = self.folder / f".shard-{index:05d}.tmp"
         torch.save([s.to_dict() for s in sequences], tmp)
         tmp.rename(self.folder / f"shard-{index:05d}.pt")
-        self.meta.update(seconds=self.seconds + seconds, answered=self.answered + answered)
+        self.meta.update(seconds=self.seconds + seconds, answered=self.answered + answered,
+                         answer_tokens=self.answer_tokens + sum(s.answer_tokens for s in sequences))
         (self.folder / META).write_text(json.dumps(self.meta, indent=1))
 
 
 def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [..., V] -> (ids int32 [..., k], log-probs float16 [..., k])."""
+    """logits [..., V] -> (ids int32 [..., k], log-probs float16 [..., k]), on the CPU (where the cache lives)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     values, ids = logprobs.topk(k, dim=-1)
-    return ids.to(torch.int32), values.to(torch.float16)
+    return ids.to(torch.int32).cpu(), values.to(torch.float16).cpu()
 
 
 @torch.inference_mode()
@@ -113,6 +131,8 @@ def answer_prompts(
     for row, ids in enumerate(prompt_ids):
         input_ids[row, width - len(ids) :] = torch.tensor(ids)
         mask[row, width - len(ids) :] = 1
+    device = next(model.parameters()).device
+    input_ids, mask = input_ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
     cache, logits = out.past_key_values, out.logits[:, -1]
@@ -121,13 +141,13 @@ def answer_prompts(
 
     answers: list[list[int]] = [[] for _ in range(batch)]
     answer_tops: list[list[tuple]] = [[] for _ in range(batch)]
-    done = torch.zeros(batch, dtype=torch.bool)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
     next_pos = positions[:, -1] + 1
     for _ in range(max_new_tokens):
         ids, logprobs = _top_k(logits, top_k)
-        if temperature > 0:
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        if temperature > 0:  # sampled on the CPU: the same generator gives the same answers on any device
+            probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1).to(device)
         else:
             tokens = logits.argmax(-1)
         for row in range(batch):
@@ -163,7 +183,7 @@ def answer_prompts(
 def label_text(model, token_ids: list[int], *, top_k: int, kind: str) -> TeacherSequence:
     """Teacher distributions along a given text (no generation): one forward pass."""
     ids = torch.tensor(token_ids, dtype=torch.long)[None]
-    logits = model(input_ids=ids).logits[0, :-1]
+    logits = model(input_ids=ids.to(next(model.parameters()).device)).logits[0, :-1]
     top_ids, top_lp = _top_k(logits, top_k)
     return TeacherSequence(ids[0], top_ids, top_lp, 0, kind)
 
@@ -188,6 +208,7 @@ def generate_teacher_data(
     prompts: list[dict],
     *,
     budget_s: float,
+    budget_tokens: Optional[int] = None,
     batch_size: int,
     max_new_tokens: int,
     eos_token_ids: set[int],
@@ -196,14 +217,23 @@ def generate_teacher_data(
     seed: int,
     on_batch: Callable[[int, float], None] = lambda tokens, seconds: None,
 ) -> None:
-    """Answer prompts in order until the cache's generation time reaches `budget_s`.
+    """Answer prompts in order until the cache holds `budget_tokens` answer tokens (a work budget: the
+    same answers on any machine), or, without one, until its generation time reaches `budget_s`. With a
+    work budget, `budget_s` caps this call's time.
 
     The first pass over the prompt list is greedy (what the benchmark decodes); later passes sample at
     `sample_temperature`, so extra budget still adds new, varied answers. A cache that has already spent
     the budget is used as it is.
     """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_token_ids)
-    while cache.seconds < budget_s:
+    started = time.perf_counter()
+
+    def more() -> bool:
+        if budget_tokens is None:
+            return cache.seconds < budget_s
+        return cache.answer_tokens < budget_tokens and time.perf_counter() - started < budget_s
+
+    while more():
         start = cache.answered
         round_index, offset = divmod(start, len(prompts))
         chosen = prompts[offset : offset + batch_size]

@@ -7,9 +7,10 @@ set C rather than all V tokens: every token in the batch's teacher top-k plus `n
 uniformly. The V-way head is the costliest part of a small draft's step, and C is a few thousand wide,
 so each step is several times cheaper, while every token a teacher ever ranks high is scored.
 
-The learning rate follows the clock: linear warm-up, then cosine decay over the time budget, so a run
-with --minutes M ends annealed whatever the machine's speed. Training state is saved every N steps so a
-stopped run continues with --resume.
+The learning rate follows the budget: linear warm-up, then cosine decay over the tokens of a work budget
+(--train-tokens: the same training on any machine) or over the clock (--minutes alone: a run ends
+annealed whatever the machine's speed, but a slower machine trains less). Training state is saved every
+N steps so a stopped run continues with --resume.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from specpipe.distill.teacher import TeacherSequence
 # they count for a fifth of an answer position.
 PROMPT_LOSS_WEIGHT = 0.2
 WARMUP_STEPS = 20
+EVALS_PER_BUDGET = 10  # held-out evaluations over a work budget
 FINAL_LR_FRACTION = 0.05
 
 
@@ -53,6 +55,7 @@ class StepReport:
     loss: float
     agreement: float  # share of positions where the draft's top candidate is the target's top-1
     tokens_per_s: float
+    tokens_seen: int = 0
 
 
 def _batches(sequences: list[TeacherSequence], batch_tokens: int, rng: random.Random) -> list[list[int]]:
@@ -121,9 +124,11 @@ def distill_loss(hidden: torch.Tensor, head: torch.Tensor, top_ids: torch.Tensor
     hidden [N, H] (positions with weight > 0), head [V, H], top_ids [N, k], top_lp [N, k], weights [N].
     """
     vocab = head.shape[0]
-    negative_ids = torch.randint(0, vocab, (negatives,), generator=generator) if negatives > 0 else top_ids.new_zeros(0)
+    # Drawn on the CPU generator (saved with the training state), then moved to the head's device.
+    negative_ids = (torch.randint(0, vocab, (negatives,), generator=generator).to(top_ids.device) if negatives > 0
+                    else top_ids.new_zeros(0))
     if negatives >= vocab:
-        candidates = torch.arange(vocab)
+        candidates = torch.arange(vocab, device=top_ids.device)
     else:
         candidates = torch.unique(torch.cat([top_ids.flatten(), negative_ids]))  # sorted
     logits = hidden @ head[candidates].T  # [N, C]
@@ -137,24 +142,27 @@ def distill_loss(hidden: torch.Tensor, head: torch.Tensor, top_ids: torch.Tensor
     return loss, agreement
 
 
-def lr_at(state: TrainState, budget_s: float, peak_lr: float) -> float:
+def lr_at(state: TrainState, budget_s: float, peak_lr: float, budget_tokens: Optional[int] = None) -> float:
     if state.step < WARMUP_STEPS:
         return peak_lr * (state.step + 1) / WARMUP_STEPS
-    progress = min(1.0, state.elapsed_s / budget_s)
+    progress = min(1.0, state.tokens_seen / budget_tokens if budget_tokens else state.elapsed_s / budget_s)
     return peak_lr * (FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 class Trainer:
     def __init__(self, student, sequences: list[TeacherSequence], *, budget_s: float, lr: float, batch_tokens: int,
-                 negatives: int, seed: int, state_path: Path, checkpoint_every: int, bf16: bool = True,
-                 held_out: Optional[list[TeacherSequence]] = None, eval_every_s: float = 30.0):
+                 negatives: int, seed: int, state_path: Path, checkpoint_every: int, dtype: str = "float32",
+                 budget_tokens: Optional[int] = None, held_out: Optional[list[TeacherSequence]] = None,
+                 eval_every_s: float = 30.0):
         if not sequences:
             raise ValueError("no teacher data to train on")
         self.student, self.sequences = student, sequences
         self.budget_s, self.peak_lr, self.batch_tokens, self.negatives = budget_s, lr, batch_tokens, negatives
+        self.budget_tokens = budget_tokens
         self.seed, self.state_path, self.checkpoint_every = seed, Path(state_path), checkpoint_every
-        # bf16 matmuls (AVX512-BF16 on this CPU) roughly double training speed; master weights stay fp32.
-        self.bf16 = bf16
+        # Matmul precision under autocast (master weights stay fp32); precision.py chooses it by measuring.
+        self.dtype = dtype
+        self.device = next(student.parameters()).device
         self.prefix_len = shared_prefix_len(sequences)
         self.optimizer = torch.optim.AdamW(student.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
         self.state = TrainState()
@@ -192,30 +200,67 @@ class Trainer:
         self.state.cursor += 1
         return [self.sequences[i] for i in batch]
 
-    def step(self) -> tuple[float, float, int]:
-        """One optimizer step on the next batch: (loss, top-1 agreement on the batch, tokens)."""
-        input_ids, mask, top_ids, top_lp, weights = _collate(self._next_batch(), self.prefix_len)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.state, self.budget_s, self.peak_lr)
+    def _loss(self, batch: list[TeacherSequence], dtype: str) -> tuple[torch.Tensor, float, int]:
+        """Forward pass and loss on a batch: (loss, top-1 agreement, tokens)."""
+        input_ids, mask, top_ids, top_lp, weights = (t.to(self.device) for t in _collate(batch, self.prefix_len))
         self.student.train()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast(self.device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
             hidden = self.student.model(input_ids=input_ids, attention_mask=mask).last_hidden_state[:, :-1]
             keep = weights > 0
             loss, agreement = distill_loss(hidden[keep], self.student.get_output_embeddings().weight, top_ids[keep],
                                            top_lp[keep], weights[keep], self.negatives, self.generator)
+        return loss, agreement, int(mask.sum())
+
+    def probe(self, dtype: str, tokens: int = 128) -> Callable[[], int]:
+        """A forward and backward pass in `dtype` on real sequences cut to about `tokens` tokens, for
+        precision.compare; it leaves the weights, the optimizer and the batch order untouched."""
+        generator_state = self.generator.get_state()
+        cut = max(8, tokens // 2)
+        batch = [TeacherSequence(s.token_ids[:cut], s.top_ids[: cut - 1], s.top_logprobs[: cut - 1],
+                                 min(s.prompt_len, cut - 1), s.kind) for s in self.sequences[:2]]
+
+        def call() -> int:
+            loss, _, used = self._loss(batch, dtype)
+            loss.backward()
+            self.student.zero_grad(set_to_none=True)
+            self.generator.set_state(generator_state)
+            return used
+
+        return call
+
+    def step(self) -> tuple[float, float, int]:
+        """One optimizer step on the next batch: (loss, top-1 agreement on the batch, tokens)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.state, self.budget_s, self.peak_lr, self.budget_tokens)
+        loss, agreement, tokens = self._loss(self._next_batch(), self.dtype)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.student.parameters(), 1.0)
         self.optimizer.step()
         self.state.step += 1
-        self.state.tokens_seen += int(mask.sum())
-        return float(loss.detach()), agreement, int(mask.sum())
+        self.state.tokens_seen += tokens
+        return float(loss.detach()), agreement, tokens
+
+    def done(self) -> bool:
+        """The work budget is spent (or, without one, the time budget); the time budget always caps."""
+        if self.budget_tokens is not None and self.state.tokens_seen >= self.budget_tokens:
+            return True
+        return self.state.elapsed_s >= self.budget_s
+
+    def _eval_due(self) -> bool:
+        if self.done():
+            return True
+        if self.budget_tokens is not None:  # by tokens, so the kept weights do not depend on the machine's speed
+            every = max(1, self.budget_tokens // EVALS_PER_BUDGET)
+            last = self.state.evals[-1][3] if self.state.evals and len(self.state.evals[-1]) > 3 else 0
+            return self.state.tokens_seen - last >= every
+        return self.state.elapsed_s - self._last_eval_s() >= self.eval_every_s
 
     def run(self, on_step: Optional[Callable[[StepReport], None]] = None) -> TrainState:
-        """Train until the time budget (counted across restarts) is spent."""
+        """Train until the budget (counted across restarts) is spent."""
         state = self.state
         window_tokens, window_s = 0, 0.0
-        while state.elapsed_s < self.budget_s:
+        while not self.done():
             t0 = time.perf_counter()
             loss, agreement, tokens = self.step()
             dt = time.perf_counter() - t0
@@ -231,10 +276,11 @@ class Trainer:
                 self.save()
             if on_step is not None:
                 on_step(StepReport(state.step, state.elapsed_s, self.budget_s, state.recent_loss,
-                                   state.recent_agreement, window_tokens / window_s if window_s else 0.0))
+                                   state.recent_agreement, window_tokens / window_s if window_s else 0.0,
+                                   state.tokens_seen))
             if window_s > 20:
                 window_tokens, window_s = 0, 0.0
-            if self.held_out and (state.elapsed_s >= self.budget_s or state.elapsed_s - self._last_eval_s() >= self.eval_every_s):
+            if self.held_out and self._eval_due():
                 t0 = time.perf_counter()
                 self._evaluate()
                 state.elapsed_s += time.perf_counter() - t0  # evaluation time counts against the budget
@@ -250,7 +296,7 @@ class Trainer:
 
     def _evaluate(self) -> None:
         score = agreement(self.student, self.held_out)
-        self.state.evals.append((self.state.step, round(self.state.elapsed_s, 1), round(score, 4)))
+        self.state.evals.append((self.state.step, round(self.state.elapsed_s, 1), round(score, 4), self.state.tokens_seen))
         if self.best is None or score > self.best[0]:
             self.best = (score, self.state.step, {k: v.detach().clone() for k, v in self.student.state_dict().items()})
 
@@ -262,9 +308,10 @@ def agreement(student, sequences: list[TeacherSequence], *, answers_only: bool =
     On the target's own greedy answers this is the greedy acceptance rate of a K=1 draft.
     """
     student.eval()
+    device = next(student.parameters()).device
     hits = total = 0
     for seq in sequences:
-        logits = student(input_ids=seq.token_ids[None]).logits[0, :-1]
+        logits = student(input_ids=seq.token_ids[None].to(device)).logits[0, :-1].cpu()
         start = max(seq.prompt_len - 1, 0) if answers_only else 0
         hits += int((logits[start:].argmax(-1) == seq.top_ids[start:, 0].long()).sum())
         total += len(seq) - 1 - start
