@@ -5,7 +5,7 @@ stages (serving through Triton, the validation gate) append their steps to `STEP
 are cached: the converted model and the distilled draft in the specpipe cache, the engines in
 engines/smollm2-demo (rebuilt only when the target or draft changed), so a second run takes minutes.
 
-Environment: SPECPIPE_DEMO_MINUTES overrides the draft's distillation budget (default below).
+Environment: SPECPIPE_DEMO_MINUTES overrides the cap on the draft's distillation time (default below).
 """
 
 from __future__ import annotations
@@ -26,9 +26,13 @@ from specpipe.config import BuildConfig, DistillConfig, QuantConfig
 
 TARGET = "smollm2-135m"
 NAME = "smollm2-demo"
-# Budget of the draft's distillation (target answers + training), chosen so a fresh demo stays within
-# 20 minutes on a 2-core CPU; see the README for what longer budgets reach.
-DISTILL_MINUTES = 13.0
+# The draft's distillation is a work budget, so every machine trains the same draft (a time budget gave a
+# slower CPU a worse one): target answers and training tokens, sized so a fresh demo ends within 25
+# minutes on a 2-core AVX2-only CPU (fp32 teacher ~50 answer tokens/s, training ~600 tokens/s there;
+# README, "Measured"). The minutes are a cap for a machine slower still.
+DISTILL_ANSWER_TOKENS = 20_000
+DISTILL_TRAIN_TOKENS = 240_000
+DISTILL_MINUTES = 18.0
 PROMPTS = [
     ("code", "Write a Python function that returns the sum of the squares of a list of numbers."),
     ("code", "Write a Python function that checks whether a string is a valid hexadecimal number."),
@@ -68,17 +72,21 @@ def fetch_model(demo: Demo) -> str:
 
 def demo_distill_config(out: Path) -> DistillConfig:
     minutes = float(os.environ.get("SPECPIPE_DEMO_MINUTES", DISTILL_MINUTES))
-    return DistillConfig(target=TARGET, out=out, minutes=minutes)
+    return DistillConfig(target=TARGET, out=out, minutes=minutes, answer_tokens=DISTILL_ANSWER_TOKENS,
+                         train_tokens=DISTILL_TRAIN_TOKENS)
 
 
 def distill_draft(demo: Demo) -> str:
     """The draft lives in the cache under a key of the target's weights and the distillation settings."""
     from specpipe.checkpoint import cache_dir
     from specpipe.distill import RichDistillProgress, distill
+    from specpipe.distill.precision import PrecisionChoice
     from specpipe.distill.prompts import training_prompts
     from specpipe.distill.run import RECORD, STATE_DIR
+    from specpipe.distill.verdict import verdict_line
 
-    settings = demo_distill_config(Path("-")).model_dump(mode="json", exclude={"out"})
+    # The cap is left out of the key: a run that finished its work budget is the same draft under any cap.
+    settings = demo_distill_config(Path("-")).model_dump(mode="json", exclude={"out", "minutes"})
     prompts = training_prompts(settings["seed"])  # new training prompts make a new draft
     material = json.dumps([demo.target.weights_sha256, settings, prompts], sort_keys=True)
     key = hashlib.sha256(material.encode()).hexdigest()[:12]
@@ -98,8 +106,13 @@ def distill_draft(demo: Demo) -> str:
     record = json.loads((out / RECORD).read_text())
     demo.draft_path = out
     demo.results["distill"] = record
+    for choice in record.get("precision", {}).values():
+        demo.console.print(f"precision {PrecisionChoice(**choice).describe()}")
+    if "verdict" in record:
+        demo.console.print(verdict_line(record["verdict"]))
     agreement = record.get("held_out_agreement")
-    return (f"{verb} draft {out}: {record['draft']['layers']} layers, width {record['draft']['width']}"
+    return (f"{verb} draft {out}: {record['draft']['layers']} layers, width {record['draft']['width']}, "
+            f"{record['data']['answer_tokens']:,} answer tokens, {record['training']['tokens_seen']:,} training tokens"
             + (f", agrees with the target on {agreement:.0%} of held-out answer tokens" if agreement is not None else ""))
 
 

@@ -319,3 +319,30 @@ def test_stdlib_tasks_read_as_coding_requests():
     assert "returns the square root of the sample variance" in tasks  # statistics.stdev's docstring
     prompts = [p for _, p in code_prompts()]
     assert all(sum(t + "." in p or t + "?" in p or t + "," in p for p in prompts) >= 2 for t in tasks[::50])
+
+
+@pytest.mark.gpu
+def test_distill_on_cuda_answers_and_trains_on_the_gpu(tiny_target, cache, tmp_path):
+    """--device auto picks CUDA where torch sees one; both phases run there in a measured precision, and the
+    draft written is an ordinary CPU-loadable checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from specpipe.distill import distill
+
+    result = distill(_tiny_cfg(tiny_target, tmp_path / "draft", device="auto", answer_tokens=60, train_tokens=1500,
+                               minutes=10))
+    record = result.record
+    assert record["device"].startswith("cuda")
+    assert set(record["precision"]["teacher"]["tokens_per_s"]) == {"float32", "bfloat16", "float16"}
+    assert record["training"]["tokens_seen"] >= 1500
+    history = record["training"]["history"]
+    assert not history or history[-1][2] < history[0][2] or record["training"]["steps"] < 20
+    model = AutoModelForCausalLM.from_pretrained(result.path)
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_cuda_asked_for_without_a_gpu_is_a_one_line_error(tiny_target, tmp_path, capsys, cache):
+    if torch.cuda.is_available():
+        return  # the gpu-marked test above covers a machine with one
+    code, err = _cli(capsys, "--target", str(tiny_target), "--out", str(tmp_path / "d"), "--device", "cuda")
+    assert code == 2 and "--device cuda" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
