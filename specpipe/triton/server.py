@@ -104,6 +104,11 @@ def _python_env() -> dict[str, str]:
         import site
 
         extra += site.getsitepackages()
+        # The embedded interpreter finds its prefix through `python3` on PATH: with the virtualenv's bin/ first
+        # it starts as the virtualenv, so the stub's own early `import numpy` (before model.py runs) takes the
+        # virtualenv's numpy, not the base Python's. A numpy 2 in the base Python (a stub built for numpy 1)
+        # crashed the stub on the first string input: "unpack_from requires a buffer of at least 235802130 bytes".
+        env["PATH"] = _path_list(str(Path(sys.prefix) / "bin"), os.environ.get("PATH"))
     env["PYTHONPATH"] = _path_list(*extra, os.environ.get("PYTHONPATH"))
     return env
 
