@@ -49,7 +49,7 @@ def serve(repo: Path, grpc_port, http_port, metrics_port, host, ready_timeout_s,
         server.start()
         click.echo(f"starting tritonserver {server.install.source}; log: {server.log_path}", err=True)
         if server.leftovers:
-            click.echo(f"cleaned up after an earlier server of {server.repo}: {server.leftovers.describe()}", err=True)
+            click.echo(server.leftovers_note(), err=True)
         ready_s = server.wait_ready()
         models = sorted(p.name for p in server.repo.iterdir() if p.is_dir() and not p.name.startswith("."))
         click.echo(f"ready in {ready_s:.1f} s: models {', '.join(models)}; gRPC {server.url}, HTTP {server.http_url}, "

@@ -243,6 +243,12 @@ class TritonServer:
             self.cleanup, self._cleaned = clean_server(self.shm_prefix), True
         return self.process.returncode
 
+    def leftovers_note(self) -> str:
+        """One line on what an earlier server of this repository left and start() removed ('' when nothing)."""
+        if not self.leftovers:
+            return ""
+        return f"cleaned up after an earlier server of {self.repo}: {self.leftovers.describe()}"
+
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -62,7 +62,8 @@ def find_stubs() -> list[Stub]:
 
 
 def _pids() -> Iterator[int]:
-    return (int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit())
+    proc = Path("/proc")
+    return (int(entry.name) for entry in proc.iterdir() if entry.name.isdigit()) if proc.is_dir() else iter(())
 
 
 def _cmdline(pid: int) -> str:
