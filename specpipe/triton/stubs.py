@@ -86,9 +86,13 @@ class Cleanup:
         return bool(self.stubs or self.regions)
 
     def describe(self) -> str:
-        return (f"ended {self.stubs} stub process{'es' if self.stubs != 1 else ''} ({_size(self.rss_bytes)} resident), "
-                f"removed {self.regions} shared-memory region{'s' if self.regions != 1 else ''} "
-                f"({_size(self.region_bytes)})")
+        parts = []
+        if self.stubs:
+            parts.append(f"ended {self.stubs} stub process{'es' if self.stubs > 1 else ''} ({_size(self.rss_bytes)} resident)")
+        if self.regions:
+            parts.append(f"removed {self.regions} shared-memory region{'s' if self.regions > 1 else ''} "
+                         f"({_size(self.region_bytes)})")
+        return ", ".join(parts) or "nothing to clean up"
 
 
 def _size(num_bytes: int) -> str:
