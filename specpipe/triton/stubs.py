@@ -88,7 +88,8 @@ class Cleanup:
     def describe(self) -> str:
         parts = []
         if self.stubs:
-            parts.append(f"ended {self.stubs} stub process{'es' if self.stubs > 1 else ''} ({_size(self.rss_bytes)} resident)")
+            processes = f"{self.stubs} stub process{'es' if self.stubs > 1 else ''}"
+            parts.append(f"ended {processes} ({_size(self.rss_bytes)} resident)")
         if self.regions:
             parts.append(f"removed {self.regions} shared-memory region{'s' if self.regions > 1 else ''} "
                          f"({_size(self.region_bytes)})")
