@@ -359,8 +359,9 @@ def test_serve_answers_then_stops_cleanly_on_a_signal(builds, tmp_path, signum):
 
 # -- a killed server leaves nothing behind ---------------------------------------------------------------
 
-# Long enough to be in flight when the server is killed (~1 s here even on this tiny pair).
-IN_FLIGHT = GenerationConfig(max_new_tokens=900, stop_on_eos=False)
+# Still in flight when the server is killed, milliseconds after its first response: ~400 one-token steps
+# (the unrelated draft of `ensemble` is mostly rejected) take most of a second on this tiny pair.
+IN_FLIGHT = GenerationConfig(max_new_tokens=400, stop_on_eos=False)
 
 
 def _stubs_of(repo: Path):
@@ -452,16 +453,16 @@ def test_stubs_exit_by_themselves_and_the_next_server_ends_one_that_could_not(bu
             server.process.kill()
             server.process.wait()
             assert all(request["done"].wait(5) and request["error"] for request in requests)
+            # Our watchdog, or the stub's own check once the server is reaped (that one can hang with a request
+            # in flight, and may leave the region: the next server removes it then).
             exit_s = _wait_until(lambda: free.pid not in [stub.pid for stub in _stubs_of(repo)], 3, since=killed)
-            assert _regions_of(repo) == [stuck.shm_region]  # the free stub removed its own
             assert [stub.pid for stub in _stubs_of(repo)] == [stuck.pid]
-            assert "its server (pid" in "".join(server.log_tail(50))
             print(f"busy stub exited by itself {exit_s:.2f} s after kill -9")
 
             with TritonServer(repo, _ports()) as again:
-                assert (again.leftovers.stubs, again.leftovers.regions) == (1, 1)
-                assert again.leftovers.rss_bytes > 0
-                assert [stub.pid for stub in _stubs_of(repo)] != [stuck.pid] and len(_stubs_of(repo)) == 2
+                assert again.leftovers.stubs == 1 and again.leftovers.rss_bytes > 0 and again.leftovers.regions >= 1
+                assert stuck.pid not in [stub.pid for stub in _stubs_of(repo)] and len(_stubs_of(repo)) == 2
+                assert not {stuck.shm_region, free.shm_region} & set(_regions_of(repo))
         finally:
             if stuck.pid in [stub.pid for stub in _stubs_of(repo)]:
                 os.kill(stuck.pid, signal.SIGKILL)
