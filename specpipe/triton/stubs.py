@@ -2,9 +2,9 @@
 
 A stub outlives a server that is killed: it keeps every engine it loaded in memory (1.1 GB for the SmolLM2
 demo), ignores SIGTERM, and its region stays in /dev/shm. This module finds stubs by their command line,
-ends them and removes their regions (`TritonServer` does so after its server exits, and before it starts one
-on a repository an earlier server left things behind for), and gives model.py a watchdog that ends the stub
-itself as soon as its server is gone.
+ends them and removes their regions (`TritonServer` does so once its server has exited, and before it starts
+a server, for what an earlier server of the same repository left), and gives model.py a watchdog that ends
+the stub itself as soon as its server is gone.
 """
 
 from __future__ import annotations
