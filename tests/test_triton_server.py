@@ -28,6 +28,7 @@ from specpipe.deployment import load_deployment
 from specpipe.errors import ServerError
 from specpipe.triton import ServerConfig, TritonServer, free_port, write_repository
 from specpipe.triton.client import remote_generate
+from specpipe.triton.stubs import SHM_DIR, find_stubs, repository_prefix
 
 PROJECT_ROOT = Path(specpipe.__file__).resolve().parents[1]
 PROMPTS = ["def add(a, b):", "Héllo wörld — naïve café, 東京 🙂", "The quick brown fox", "import numpy as np\n"]
@@ -327,11 +328,8 @@ def test_serve_exits_nonzero_with_the_reason_when_an_engine_is_corrupt(builds, t
     assert "Traceback" not in stderr.split("last server log lines")[0]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
-def test_serve_answers_then_stops_cleanly_on_a_signal(builds, tmp_path, signum):
-    write_repository(builds["self_draft"], tmp_path / "repo")
-    cfg = _ports()
-    process = _serve(tmp_path / "repo", cfg)
+def _until_ready(process: subprocess.Popen) -> tuple[list[str], threading.Thread]:
+    """Wait for `specpipe serve`'s ready line; returns its stderr lines (still filling) and their reader."""
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(iter(process.stderr.readline, "")), daemon=True)
     reader.start()
@@ -340,6 +338,15 @@ def test_serve_answers_then_stops_cleanly_on_a_signal(builds, tmp_path, signum):
         assert process.poll() is None, "".join(lines)
         assert time.time() < deadline, "".join(lines)
         time.sleep(0.1)
+    return lines, reader
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_serve_answers_then_stops_cleanly_on_a_signal(builds, tmp_path, signum):
+    write_repository(builds["self_draft"], tmp_path / "repo")
+    cfg = _ports()
+    process = _serve(tmp_path / "repo", cfg)
+    lines, reader = _until_ready(process)
     generation = remote_generate(f"127.0.0.1:{cfg.grpc_port}", "def", GenerationConfig(max_new_tokens=4), stream=True)
     assert "".join(generation) == generation.result["text"] and generation.result["num_generated"] == 4
     process.send_signal(signum)
@@ -348,3 +355,115 @@ def test_serve_answers_then_stops_cleanly_on_a_signal(builds, tmp_path, signum):
     assert any(line.startswith("stopped") for line in lines), "".join(lines)
     with pytest.raises(ServerError, match="cannot reach"):
         list(remote_generate(f"127.0.0.1:{cfg.grpc_port}", "def", GenerationConfig(max_new_tokens=2), stream=True))
+
+
+# -- a killed server leaves nothing behind ---------------------------------------------------------------
+
+# Still in flight when the server is killed, milliseconds after its first response: ~400 one-token steps
+# (the unrelated draft of `ensemble` is mostly rejected) take most of a second on this tiny pair.
+IN_FLIGHT = GenerationConfig(max_new_tokens=400, stop_on_eos=False)
+
+
+def _stubs_of(repo: Path):
+    return [stub for stub in find_stubs() if stub.model_py.resolve().is_relative_to(repo.resolve())]
+
+
+def _regions_of(repo: Path) -> list[str]:
+    return [path.name for path in SHM_DIR.glob(repository_prefix(repo) + "*")]
+
+
+def _stream_in_background(url: str, cfg: GenerationConfig) -> dict:
+    """A streamed request on a thread: `first` is set at its first response (or its end); then `error` and
+    `failed_at` (time.monotonic()) once it fails."""
+    state = {"first": threading.Event(), "error": None, "failed_at": None, "done": threading.Event()}
+
+    def run() -> None:
+        try:
+            for _ in remote_generate(url, PROMPTS[0], cfg, stream=True, timeout_s=30):
+                state["first"].set()
+        except ServerError as err:
+            state["error"], state["failed_at"] = str(err), time.monotonic()
+        state["first"].set()
+        state["done"].set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert state["first"].wait(60) and state["error"] is None, state["error"]
+    return state
+
+
+def _wait_until(condition, timeout_s: float, since: float) -> float:
+    """Seconds from `since` (a time.monotonic()) until condition() held; fails after timeout_s."""
+    while not condition():
+        assert time.monotonic() - since < timeout_s, f"not within {timeout_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - since
+
+
+def test_serve_killed_with_a_request_in_flight_leaves_nothing_and_the_next_server_answers_the_same(
+        builds, local, tmp_path):
+    repo = tmp_path / "repo"
+    write_repository(builds["ensemble"], repo)
+    cfg = _ports()
+    process = _serve(repo, cfg)
+    try:
+        lines, reader = _until_ready(process)
+        [stub] = _stubs_of(repo)
+        assert _regions_of(repo) == [stub.shm_region]
+        request = _stream_in_background(f"127.0.0.1:{cfg.grpc_port}", IN_FLIGHT)
+        killed = time.monotonic()
+        os.kill(stub.server_pid, signal.SIGKILL)
+
+        assert request["done"].wait(5), "the client got no error within 5 s"
+        assert request["error"] and request["failed_at"] - killed < 5
+        clean_s = _wait_until(lambda: not _stubs_of(repo) and not _regions_of(repo), 5, since=killed)
+        assert process.wait(timeout=30) == 2
+        reader.join(timeout=10)
+        error = lines[-1]
+        assert error.startswith("error: tritonserver was killed by SIGKILL"), "".join(lines)
+        assert "Traceback" not in "".join(lines)
+        print(f"kill -9 -> no stub, no region: {clean_s:.2f} s; {stub.rss_bytes / 2**20:.0f} MB of stub returned")
+    finally:
+        process.kill()
+        for stub in _stubs_of(repo):
+            os.kill(stub.pid, signal.SIGKILL)
+
+    with TritonServer(repo, _ports()) as server:
+        assert not server.leftovers
+        generation = remote_generate(server.url, PROMPTS[0], IN_FLIGHT, stream=True)
+        "".join(generation)
+    assert generation.result["token_ids"] == local("ensemble", PROMPTS[0], IN_FLIGHT).token_ids
+    assert not _stubs_of(repo) and not _regions_of(repo)
+
+
+def test_stubs_exit_by_themselves_and_the_next_server_ends_one_that_could_not(builds, tmp_path):
+    """No one cleans up after the killed server here: one busy stub must exit by itself (its watchdog); a
+    stopped one (a stub that cannot, like the stub of the report that ran on for 34 minutes) is ended by the
+    next server of the repository before it starts."""
+    repo = tmp_path / "repo"
+    write_repository(builds["ensemble"], repo, instance_count=2)
+    server = TritonServer(repo, _ports())
+    with server:
+        stubs = _stubs_of(repo)
+        assert len(stubs) == 2 and sorted(_regions_of(repo)) == sorted(stub.shm_region for stub in stubs)
+        requests = [_stream_in_background(server.url, IN_FLIGHT) for _ in stubs]  # one in flight on each stub
+        stuck, free = stubs
+        os.kill(stuck.pid, signal.SIGSTOP)
+        try:
+            killed = time.monotonic()
+            server.process.kill()
+            server.process.wait()
+            assert all(request["done"].wait(5) and request["error"] for request in requests)
+            # Our watchdog, or the stub's own check once the server is reaped (that one can hang with a request
+            # in flight, and may leave the region: the next server removes it then).
+            exit_s = _wait_until(lambda: free.pid not in [stub.pid for stub in _stubs_of(repo)], 3, since=killed)
+            assert [stub.pid for stub in _stubs_of(repo)] == [stuck.pid]
+            print(f"busy stub exited by itself {exit_s:.2f} s after kill -9")
+
+            with TritonServer(repo, _ports()) as again:
+                assert again.leftovers.stubs == 1 and again.leftovers.rss_bytes > 0 and again.leftovers.regions >= 1
+                assert stuck.pid not in [stub.pid for stub in _stubs_of(repo)] and len(_stubs_of(repo)) == 2
+                assert not {stuck.shm_region, free.shm_region} & set(_regions_of(repo))
+        finally:
+            if stuck.pid in [stub.pid for stub in _stubs_of(repo)]:
+                os.kill(stuck.pid, signal.SIGKILL)
+    assert not _stubs_of(repo) and not _regions_of(repo)

@@ -18,6 +18,13 @@ def _option(name: str, flag: str, type_, **kwargs):
                         help=kwargs.pop("help", field_help(ServerConfig, name)), **kwargs)
 
 
+def _ended(server: TritonServer, code: int) -> str:
+    if code == -signal.SIGKILL:  # from outside (kill -9, the OOM killer): its log cannot say why
+        return "was killed by SIGKILL"
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return f"{how}: {server.failure_reason()}"
+
+
 @click.command()
 @click.argument("repo", type=click.Path(path_type=Path))
 @_option("grpc_port", "--grpc-port", int, help="gRPC port (what `specpipe generate --url` talks to).")
@@ -41,12 +48,16 @@ def serve(repo: Path, grpc_port, http_port, metrics_port, host, ready_timeout_s,
     try:
         server.start()
         click.echo(f"starting tritonserver {server.install.source}; log: {server.log_path}", err=True)
+        if server.leftovers:
+            click.echo(server.leftovers_note(), err=True)
         ready_s = server.wait_ready()
         models = sorted(p.name for p in server.repo.iterdir() if p.is_dir() and not p.name.startswith("."))
         click.echo(f"ready in {ready_s:.1f} s: models {', '.join(models)}; gRPC {server.url}, HTTP {server.http_url}, "
                    f"metrics {server.metrics_url}. Ctrl-C stops.", err=True)
         code = server.process.wait()
-        raise ServerError(f"tritonserver exited with code {code}: {server.failure_reason()}")
+        server.stop()  # ends the stubs it left and removes their shared memory
+        after = f"; after it: {server.cleanup.describe()}" if server.cleanup else ""
+        raise ServerError(f"tritonserver {_ended(server, code)}{after}")
     except KeyboardInterrupt:
         click.echo("stopping tritonserver ...", err=True)
         code = server.stop()

@@ -135,6 +135,8 @@ def _open_subject(target, mode: GateMode, gate: GateConfig, *, engines, model_na
     with ExitStack() as stack:
         with console.status(f"starting tritonserver on {repo}"):
             server = stack.enter_context(TritonServer(repo, server_cfg))
+        if server.leftovers:
+            console.log(server.leftovers_note())
         console.log(f"tritonserver ready at {server.url} in {server.ready_s:.1f} s")
         yield ServerSubject(server.url, reference, model_name=model_name, chat=gate.chat)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -31,6 +32,7 @@ from pydantic import Field
 
 from specpipe.config import Strict
 from specpipe.errors import ServerError, UsageError
+from specpipe.triton.stubs import TOKEN_HEX, Cleanup, clean_leftovers, clean_server, shm_prefix
 
 
 class ServerConfig(Strict):
@@ -104,6 +106,11 @@ def _python_env() -> dict[str, str]:
         import site
 
         extra += site.getsitepackages()
+        # The embedded interpreter finds its prefix through `python3` on PATH: with the virtualenv's bin/ first
+        # it starts as the virtualenv, so the stub's own early `import numpy` (before model.py runs) takes the
+        # virtualenv's numpy, not the base Python's. A numpy 2 in the base Python (a stub built for numpy 1)
+        # crashed the stub on the first string input: "unpack_from requires a buffer of at least 235802130 bytes".
+        env["PATH"] = _path_list(str(Path(sys.prefix) / "bin"), os.environ.get("PATH"))
     env["PYTHONPATH"] = _path_list(*extra, os.environ.get("PYTHONPATH"))
     return env
 
@@ -117,6 +124,10 @@ class TritonServer:
 
         with TritonServer(repo, ServerConfig(grpc_port=p1, http_port=p2, metrics_port=p3)) as server:
             remote_generate(server.url, ...)
+
+    Nothing of a server outlives it: once it has exited, however it ended, stop() ends the Python-backend
+    stubs it left and removes their shared memory (`cleanup` says what there was); start() first removes
+    what an earlier server of the same repository left (`leftovers`).
     """
 
     def __init__(self, repo: Path, config: Optional[ServerConfig] = None, *, log_path: Optional[Path] = None,
@@ -128,6 +139,11 @@ class TritonServer:
         self.log_path = Path(log_path) if log_path else None
         self.process: Optional[subprocess.Popen] = None
         self.ready_s: Optional[float] = None
+        # Regions named for this server alone: what it leaves can be told from other servers' (ours or not).
+        self.shm_prefix = shm_prefix(self.repo, secrets.token_hex(TOKEN_HEX // 2))
+        self.leftovers = Cleanup()
+        self.cleanup = Cleanup()
+        self._cleaned = False
 
     # -- addresses -------------------------------------------------------------------------------
     @property
@@ -161,6 +177,7 @@ class TritonServer:
             f"--log-verbose={cfg.log_verbose}",
             # Our configs are complete; skipping auto-complete saves one stub launch per model.
             "--disable-auto-complete-config",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         if install.backend_dir is not None:
             cmd.append(f"--backend-directory={install.backend_dir}")
@@ -172,13 +189,15 @@ class TritonServer:
         if not any(p.is_dir() and not p.name.startswith(".") for p in self.repo.iterdir()):
             raise UsageError(f"{self.repo} holds no models; write one with `specpipe build` (--repo-dir)")
         self.install = self.install or find_tritonserver()
+        self.leftovers = clean_leftovers(self.repo)
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"specpipe-triton-{self.config.grpc_port}-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
         env = {**os.environ, **self.install.env}
         with open(self.log_path, "wb") as log:
-            # Own session: a Ctrl-C in the terminal reaches us, and we stop the server in order.
+            # Own session: a Ctrl-C in the terminal reaches us, and we stop the server in order; its stubs share
+            # its process group, so one killpg ends the whole tree.
             # cwd = the repository: the caller's folder must not leak onto the stub's sys.path ('' is on it).
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.repo,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -209,16 +228,26 @@ class TritonServer:
             return False
 
     def stop(self, timeout: Optional[float] = None) -> Optional[int]:
-        """SIGTERM (Triton drains in-flight requests for exit_timeout_s), then SIGKILL if it hangs."""
-        if self.process is None or self.process.poll() is not None:
-            return self.process.returncode if self.process else None
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=(self.config.exit_timeout_s + 15) if timeout is None else timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        """SIGTERM (Triton drains in-flight requests for exit_timeout_s), then SIGKILL to its process group if it
+        hangs; then, however the server ended, end the stubs it left and remove their shared memory."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=(self.config.exit_timeout_s + 15) if timeout is None else timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)  # not yet reaped: the group id is still the server's
+                self.process.wait()
+        if not self._cleaned:
+            self.cleanup, self._cleaned = clean_server(self.shm_prefix), True
         return self.process.returncode
+
+    def leftovers_note(self) -> str:
+        """One line on what an earlier server of this repository left and start() removed ('' when nothing)."""
+        if not self.leftovers:
+            return ""
+        return f"cleaned up after an earlier server of {self.repo}: {self.leftovers.describe()}"
 
     @property
     def running(self) -> bool:

@@ -46,6 +46,9 @@ def _honour_pythonpath():
 class TritonPythonModel:
     def initialize(self, args):
         _honour_pythonpath()
+        from specpipe.triton.stubs import exit_with_server
+
+        exit_with_server()  # a stub that outlives a killed server keeps every engine it loaded in memory
         # The stub only tokenizes with transformers (engines are ONNX Runtime): keeping transformers from
         # importing torch cuts each instance's load from ~7 s to ~1.5 s here. An explicit setting wins.
         os.environ.setdefault("USE_TORCH", "0")

@@ -1,0 +1,196 @@
+"""The Python-backend stub processes a tritonserver starts (one per model instance) and their shared memory.
+
+A stub outlives a server that is killed: it keeps every engine it loaded in memory (1.1 GB for the SmolLM2
+demo), ignores SIGTERM, and its region stays in /dev/shm. This module finds stubs by their command line,
+ends them and removes their regions (`TritonServer` does so once its server has exited, and before it starts
+a server, for what an earlier server of the same repository left), and gives model.py a watchdog that ends
+the stub itself as soon as its server is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+SHM_DIR = Path("/dev/shm")
+STUB_BINARY = "triton_python_backend_stub"
+TOKEN_HEX = 8  # characters of the per-server token in a region prefix
+
+
+@dataclass(frozen=True)
+class Stub:
+    """A running stub. The Python backend (2.51) starts it as
+    `triton_python_backend_stub MODEL_PY SHM_REGION SHM_DEFAULT SHM_GROWTH SERVER_PID PYTHON_LIB ...`."""
+
+    pid: int
+    model_py: Path
+    shm_region: str
+    server_pid: int
+    parent_pid: int  # now: init (or a subreaper) once the server that started it is gone
+    rss_bytes: int
+
+    @property
+    def orphaned(self) -> bool:
+        return self.parent_pid != self.server_pid
+
+
+def read_stub(pid: int) -> Optional[Stub]:
+    """The stub with this pid, or None when that process is not a running stub (or is gone already)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        if Path(argv[0]).name != STUB_BINARY or len(argv) < 6 or not argv[5].isdigit():
+            return None
+        # comm may hold spaces and parentheses: the fields we need come after its closing ')'.
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        state, parent_pid, rss_pages = fields[0], int(fields[1]), int(fields[21])
+    except (OSError, IndexError, ValueError):
+        return None
+    if state in ("Z", "X"):  # exited; holds no memory, only waits for init to reap it
+        return None
+    return Stub(pid, Path(argv[1]), argv[2], int(argv[5]), parent_pid, rss_pages * os.sysconf("SC_PAGE_SIZE"))
+
+
+def find_stubs() -> list[Stub]:
+    return [stub for pid in _pids() if (stub := read_stub(pid)) is not None]
+
+
+def _pids() -> Iterator[int]:
+    proc = Path("/proc")
+    return (int(entry.name) for entry in proc.iterdir() if entry.name.isdigit()) if proc.is_dir() else iter(())
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+    except OSError:
+        return ""
+
+
+@dataclass
+class Cleanup:
+    """What was ended and removed, for one line of output."""
+
+    stubs: int = 0
+    rss_bytes: int = 0
+    regions: int = 0
+    region_bytes: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.stubs or self.regions)
+
+    def describe(self) -> str:
+        parts = []
+        if self.stubs:
+            processes = f"{self.stubs} stub process{'es' if self.stubs > 1 else ''}"
+            parts.append(f"ended {processes} ({_size(self.rss_bytes)} resident)")
+        if self.regions:
+            parts.append(f"removed {self.regions} shared-memory region{'s' if self.regions > 1 else ''} "
+                         f"({_size(self.region_bytes)})")
+        return ", ".join(parts) or "nothing to clean up"
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.0f} MB"
+
+
+def end_stubs(stubs: list[Stub], timeout_s: float = 5.0) -> None:
+    """SIGKILL (a stub ignores SIGTERM), then wait until none of them runs."""
+    for stub in stubs:
+        try:
+            os.kill(stub.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + timeout_s
+    while any(_running(stub) for stub in stubs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _running(stub: Stub) -> bool:
+    now = read_stub(stub.pid)
+    return now is not None and now.shm_region == stub.shm_region  # not a new process that got the same pid
+
+
+def remove_regions(names: Iterable[str]) -> tuple[int, int]:
+    """Unlink /dev/shm/NAME for each name; returns (regions removed, bytes of memory they held)."""
+    removed, held = 0, 0
+    for name in set(names):
+        path = SHM_DIR / name
+        try:
+            blocks = path.stat().st_blocks
+            path.unlink()
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue
+        removed, held = removed + 1, held + blocks * 512  # tmpfs pages really used (a region is sparse)
+    return removed, held
+
+
+def _clean(stubs: list[Stub], regions: Iterable[str]) -> Cleanup:
+    end_stubs(stubs)
+    removed, held = remove_regions([*regions, *(stub.shm_region for stub in stubs)])
+    return Cleanup(len(stubs), sum(stub.rss_bytes for stub in stubs), removed, held)
+
+
+# -- regions named per server: cleanup is exact ---------------------------------------------------------
+
+def shm_prefix(repo: Path, token: str) -> str:
+    """The region-name prefix a server on `repo` passes to the Python backend: the repository (hashed, so any
+    path fits a file name) and a token of this server start. The backend appends a UUID per stub."""
+    return f"{repository_prefix(repo)}{token}_"
+
+
+def repository_prefix(repo: Path) -> str:
+    return f"specpipe_{hashlib.sha1(str(Path(repo).resolve()).encode()).hexdigest()[:10]}_"
+
+
+def clean_server(prefix: str) -> Cleanup:
+    """After a server exited: end the stubs it started and remove its regions, all named with its `prefix`."""
+    stubs = [stub for stub in find_stubs() if stub.shm_region.startswith(prefix)]
+    return _clean(stubs, (path.name for path in SHM_DIR.glob(prefix + "*")))
+
+
+def clean_leftovers(repo: Path) -> Cleanup:
+    """Before a server starts on `repo`: end the stubs of an earlier server of this repository that no longer
+    runs, and remove their regions and any region named for this repository whose server no longer runs."""
+    repo = Path(repo).resolve()
+    stubs = [stub for stub in find_stubs() if stub.orphaned and _inside(stub.model_py, repo)]
+    own = re.compile(re.escape(repository_prefix(repo)) + f"[0-9a-f]{{{TOKEN_HEX}}}_")
+    named = {path.name: match.group(0) for path in SHM_DIR.glob(repository_prefix(repo) + "*")
+             if (match := own.match(path.name))}
+    if named:  # a region is in use while its server (or one of its stubs) runs: its prefix is on their command line
+        running = " ".join(_cmdline(pid) for pid in _pids())
+        named = {name: prefix for name, prefix in named.items() if prefix not in running}
+    return _clean(stubs, named)
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder)
+
+
+# -- in the stub ------------------------------------------------------------------------------------------
+
+def exit_with_server(poll_s: float = 0.1) -> threading.Thread:
+    """Called in a stub (model.py's initialize): exit as soon as the server that started it dies, removing
+    this stub's region. The stub's own check waits until the server is reaped and can then deadlock with a
+    request in flight (seen: a stub ran on for 34 minutes holding 1.1 GB). A dead server re-parents the stub
+    at once, reaped or not; os._exit runs no destructors, so nothing can hang."""
+    me = read_stub(os.getpid())
+    server_pid = me.server_pid if me is not None else os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == server_pid:
+            time.sleep(poll_s)
+        if me is not None:
+            remove_regions([me.shm_region])
+        os.write(2, f"specpipe: stub {os.getpid()} exits: its server (pid {server_pid}) is gone\n".encode())
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="specpipe-exit-with-server", daemon=True)
+    thread.start()
+    return thread

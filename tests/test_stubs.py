@@ -1,0 +1,114 @@
+"""What a server leaves behind, without a server: region bookkeeping and the stub's exit-with-server watchdog.
+The real-server cases (kill -9 of tritonserver with a request in flight) are in test_triton_server.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import specpipe
+from specpipe.triton.stubs import SHM_DIR, Cleanup, clean_leftovers, clean_server, repository_prefix, shm_prefix
+
+PROJECT_ROOT = Path(specpipe.__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm (Linux)")
+
+
+def _region(name: str, size: int = 8192) -> Path:
+    path = SHM_DIR / name
+    path.write_bytes(b"\1" * size)
+    return path
+
+
+def test_leftover_regions_of_this_repository_go_and_those_in_use_or_of_others_stay(tmp_path):
+    repo, other = tmp_path / "repo", tmp_path / "other"
+    repo.mkdir(), other.mkdir()
+    stale = _region(shm_prefix(repo, "0badcafe") + "uuid-1")
+    in_use = _region(shm_prefix(repo, "00c0ffee") + "uuid-2")
+    others = _region(shm_prefix(other, "0badcafe") + "uuid-3")
+    # A running process whose command line names a prefix stands for the server that uses those regions.
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", shm_prefix(repo, "00c0ffee")])
+    try:
+        cleaned = clean_leftovers(repo)
+        assert (cleaned.stubs, cleaned.regions, cleaned.region_bytes) == (0, 1, 8192)
+        assert not stale.exists() and in_use.exists() and others.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+        for path in (stale, in_use, others):
+            path.unlink(missing_ok=True)
+
+
+def test_clean_server_removes_exactly_its_own_regions(tmp_path):
+    mine, theirs = shm_prefix(tmp_path, "11111111"), shm_prefix(tmp_path, "22222222")
+    regions = [_region(mine + "a"), _region(mine + "b"), _region(theirs + "c")]
+    try:
+        assert clean_server(mine).regions == 2
+        assert [path.exists() for path in regions] == [False, False, True]
+    finally:
+        for path in regions:
+            path.unlink(missing_ok=True)
+
+
+def test_region_prefix_names_the_repository_whatever_the_path_looks_like(tmp_path):
+    weird = tmp_path / "a repo with spaces, ünïcode & / slashes"
+    prefix = repository_prefix(weird)
+    assert prefix.startswith("specpipe_") and "/" not in prefix and " " not in prefix and prefix.isascii()
+    assert repository_prefix(weird) == prefix != repository_prefix(tmp_path / "another")
+    assert shm_prefix(weird, "0123abcd") == prefix + "0123abcd_"
+
+
+def test_cleanup_says_what_it_did_in_one_line():
+    assert not Cleanup()
+    line = Cleanup(stubs=2, rss_bytes=int(1.1 * 2**30), regions=1, region_bytes=2**20).describe()
+    assert line == "ended 2 stub processes (1.10 GB resident), removed 1 shared-memory region (1 MB)"
+    # The stub's own watchdog may have removed its region first: no "removed 0 regions".
+    assert Cleanup(stubs=1, rss_bytes=150 * 2**20).describe() == "ended 1 stub process (150 MB resident)"
+
+
+# A "server" process starts a "stub" that arms the watchdog, then keeps its main thread busy in Python.
+_STUB = """
+import sys, time
+from specpipe.triton.stubs import exit_with_server
+exit_with_server(poll_s=0.05)
+print("armed", flush=True)
+while True:
+    sum(range(10000))
+"""
+_SERVER = """
+import subprocess, sys, time
+stub = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=sys.stdout)
+print(stub.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_stub_watchdog_exits_the_stub_soon_after_its_server_dies():
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, _STUB], stdout=subprocess.PIPE, text=True, env=env)
+    stub_pid = int(server.stdout.readline())
+    try:
+        assert server.stdout.readline().strip() == "armed"
+        killed = time.monotonic()
+        server.kill()
+        server.wait()
+        while _running(stub_pid) and time.monotonic() - killed < 5:
+            time.sleep(0.01)
+        assert not _running(stub_pid)
+        assert time.monotonic() - killed < 1.0
+    finally:
+        if _running(stub_pid):
+            os.kill(stub_pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
