@@ -90,6 +90,8 @@ def _fields(block: str):
 
 @dataclass
 class Machine:
+    """The record `as_dict()` writes into bench JSON, the gate report and the build manifest."""
+
     cpu_model: Optional[str]
     vendor: Optional[str]  # "Intel", "AMD", or the raw vendor id
     arch: str  # platform.machine(): x86_64, arm64, ...
@@ -114,12 +116,12 @@ class Machine:
             isa = ", ".join(present) or "none of AVX2/FMA/AVX-512"
             if self.isa.get("avx512f") is False and present:
                 isa += "; no AVX-512"
-        cores = self.physical_cores or self.logical_cores
         line = f"{model} ({isa})"
+        cores, logical = self.physical_cores, self.logical_cores
         if cores:
-            line += f", {cores} core{'s' * (cores != 1)}"
-            if self.logical_cores and self.logical_cores != cores:
-                line += f" ({self.logical_cores} logical)"
+            line += f", {cores} core{'s' * (cores != 1)}" + (f" ({logical} logical)" if logical and logical != cores else "")
+        elif logical:
+            line += f", {logical} logical CPUs"
         if self.usable_cpus and self.logical_cores and self.usable_cpus < self.logical_cores:
             line += f", {self.usable_cpus} usable"
         if self.threads.get("in_use"):
