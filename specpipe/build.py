@@ -20,6 +20,7 @@ from specpipe.config import BuildConfig
 from specpipe.engines.onnxruntime import OrtEngine, optimize_for_cpu, write_engine_meta
 from specpipe.errors import ExportError, OutputExistsError, UsageError
 from specpipe.export.onnx import check_export, export_onnx
+from specpipe.machine import describe_machine
 from specpipe.manifest import file_hashes, library_versions, now_iso, write_manifest
 
 Progress = Callable[[str], None]
@@ -95,6 +96,7 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
                 "eos_token_ids": sorted(inspect_checkpoint(target.path).eos_token_ids),
                 "max_draft_len": cfg.max_draft_len,
                 "step_costs": costs.as_dict(),
+                "machine": describe_machine(cfg.threads).as_dict(),  # where step_costs and timings_s were measured
                 "target": target_entry,
                 "draft": {"kind": "model", **draft_entry},  # ngram / self entries carry their own kind
                 "timings_s": timings,

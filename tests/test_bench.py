@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
+from rich.console import Console
 
 from specpipe.bench.harness import BASELINE, Measurement, summarize
+from specpipe.bench.report import print_tables
 from specpipe.cli import main
 
 
@@ -64,7 +67,15 @@ def test_bench_json_has_every_field(engines, capsys, tmp_path):
     assert limit["bandwidth_gb_s"] > 0.1 and limit["target_weight_bytes"] > 0
     assert limit["target_floor_ms_per_token"] > 0 and limit["target_measured_ms_per_token"] > 0
     assert results["step_costs_ms"]["draft_decode"] > 0
-    assert results["adaptive_costs"] == json.loads((pair / "manifest.json").read_text())["step_costs"]
+    manifest = json.loads((pair / "manifest.json").read_text())
+    assert results["adaptive_costs"] == manifest["step_costs"]
+    # Where the numbers come from: the bench run's machine, and the build's (where step costs were measured).
+    for machine in (results["machine"], manifest["machine"]):
+        assert machine["summary"] and machine["threads"]["in_use"] == 2
+        assert set(machine["isa"]) >= {"avx2", "avx512f", "avx512_bf16", "amx_tile"} and machine["versions"]["torch"]
+    printed = io.StringIO()
+    print_tables(results, Console(file=printed, width=100))
+    assert printed.getvalue().startswith(f"measured on: {results['machine']['summary']}\n")
 
 
 def test_self_draft_is_always_accepted(engines, capsys):

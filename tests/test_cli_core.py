@@ -68,6 +68,12 @@ def test_generate_bad_values(capsys, tiny_build, args, needle):
     assert_one_line_error(code, err, needle)
 
 
+def test_generate_max_tokens_beyond_the_context_is_an_error(capsys, tiny_build):
+    code, out, err = run_cli(capsys, "generate", str(tiny_build), "-p", "def add(a, b):", "--max-tokens", "100000")
+    assert code == 2 and out == ""
+    assert_one_line_error(code, err, "exceeds the engine's max_seq_len 1024", "new tokens fit after this prompt")
+
+
 def test_generate_missing_engine_folder(capsys, tmp_path):
     code, _, err = run_cli(capsys, "generate", str(tmp_path / "nope"), "-p", "x")
     assert_one_line_error(code, err, "nope")

@@ -6,8 +6,10 @@ from scipy import stats
 
 from specpipe.config import GenerationConfig, SamplingConfig
 from specpipe.deployment import load_deployment
+from specpipe.errors import UsageError
 from specpipe.speculative import SpecStats, verify as verify_module
 from specpipe.speculative.sampling import shape_probs
+from specpipe.triton.serving import ServedModel
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "Héllo wörld 東京"]
 
@@ -55,6 +57,30 @@ def test_eos_and_max_tokens_stop(self_pair):
     assert result.num_generated == 48 or result.token_ids[-1] in eos
     result = self_pair.generator.generate(PROMPTS[0], GenerationConfig(max_new_tokens=3, num_draft_tokens=5))
     assert result.num_generated <= 3
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_max_tokens_up_to_the_context_runs_and_one_more_is_refused(tiny_build, speculative):
+    """prompt + max_new_tokens == max_seq_len runs to the last position; one more token is refused before any
+    work, with the same message in-process and from the served model (one check behind both)."""
+    deployment = load_deployment(tiny_build, threads=1)
+    deployment.target.max_seq_len = 24  # a short context, so running to its end is quick
+    prompt_ids = deployment.generator.encode(PROMPTS[0])
+    room = 24 - len(prompt_ids)
+    cfg = dict(stop_on_eos=False, speculative=speculative, num_draft_tokens=5, draft_length="fixed")
+    result = deployment.generator.generate(prompt_ids, GenerationConfig(max_new_tokens=room, **cfg))
+    assert result.num_generated == room and result.finish_reason == "length"
+
+    message = f"prompt ({len(prompt_ids)} tokens) + max_tokens ({room + 1}) = 25 exceeds the engine's max_seq_len 24: " \
+              f"at most {room} new tokens fit after this prompt"
+    with pytest.raises(UsageError) as in_process:
+        deployment.generator.start(prompt_ids, GenerationConfig(max_new_tokens=room + 1, **cfg))
+    assert str(in_process.value) == message
+    served = ServedModel(deployment).replies({"text_input": np.array([[PROMPTS[0].encode()]], dtype=np.object_),
+                                              "max_tokens": np.array([[room + 1]], np.int32)})
+    with pytest.raises(UsageError) as in_server:
+        next(served)
+    assert str(in_server.value) == message
 
 
 def test_seeded_sampling_is_reproducible(pair):

@@ -8,6 +8,7 @@ so the distribution check samples at top_k=5 and claims TV >= 0.1 (default: top_
 
 from __future__ import annotations
 
+import html
 import json
 import xml.etree.ElementTree as ET
 
@@ -166,6 +167,12 @@ def test_passing_gate_in_process(tiny_build, tmp_path):
     for name in ("report.html", "latency.png", "acceptance.png", "throughput.png"):
         assert (tmp_path / "report" / name).stat().st_size > 0
     assert "distribution_equivalence" in (tmp_path / "report" / "report.html").read_text()
+    # Where the latencies were measured: report.json, the HTML page and the junit properties name the machine.
+    assert saved["machine"]["summary"] == report.machine["summary"] and saved["machine"]["threads"]["in_use"] == 2
+    assert set(saved["machine"]["isa"]) >= {"avx2", "avx512f", "avx512_bf16", "amx_tile"}
+    assert f"measured on: {html.escape(report.machine['summary'])}" in (tmp_path / "report" / "report.html").read_text()
+    properties = {p.get("name"): p.get("value") for p in ET.parse(tmp_path / "report" / "junit.xml").iter("property")}
+    assert properties["machine"] == report.machine["summary"]
 
 
 def test_planted_bias_fails_the_distribution_check(tiny_build, tmp_path, monkeypatch, capsys):

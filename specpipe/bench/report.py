@@ -16,6 +16,7 @@ def print_tables(results: dict, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
+    console.print(f"measured on: {results['machine']['summary']}")
     for s in results["sets"]:
         table = Table(title=f"{s['name']}: {s['prompts']} prompts, {results['settings']['max_new_tokens']} new tokens, "
                             f"greedy, {results['settings']['threads']} threads", title_justify="left",

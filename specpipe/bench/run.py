@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
     import torch
 
     from specpipe.deployment import load_deployment
+    from specpipe.machine import describe_machine
     from specpipe.manifest import library_versions, now_iso
 
     say = progress or (lambda what, done, total: None)
@@ -77,8 +77,7 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
         "created": now_iso(),
         "settings": cfg.model_dump(mode="json"),
         "versions": library_versions(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "threads": cfg.threads},
+        "machine": describe_machine(threads=cfg.threads).as_dict(),  # absolute times hold only on this machine
         "physical_limit": _physical_limit(deployment, sets),
         "step_costs_ms": _step_costs(deployment),
         "adaptive_costs": deployment.costs.as_dict(),  # what adaptive K assumed: the build's measurement

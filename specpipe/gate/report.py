@@ -43,6 +43,7 @@ class GateReport:
     started: str
     duration_s: float
     versions: dict = field(default_factory=dict)
+    machine: dict = field(default_factory=dict)  # specpipe.machine record of where the gate ran (with --url: the client)
     report_dir: Optional[Path] = None
 
     @property
@@ -75,6 +76,7 @@ class GateReport:
             "started": self.started,
             "duration_s": self.duration_s,
             "versions": self.versions,
+            "machine": self.machine,
             "gate": self.gate,
             "checks": [asdict(c) for c in self.checks],
         }
@@ -107,7 +109,7 @@ def write_junit(report: GateReport, path: Path) -> None:
         timestamp=report.started,
     )
     props = ET.SubElement(suite, "properties")
-    for key, value in (("mode", report.mode), ("target", report.target)):
+    for key, value in (("mode", report.mode), ("target", report.target), *_machine_properties(report.machine)):
         ET.SubElement(props, "property", name=key, value=str(value))
     for check in report.checks:
         case = ET.SubElement(suite, "testcase", classname="specpipe.gate", name=check.name, time=f"{check.duration_s:.3f}")
@@ -121,6 +123,15 @@ def write_junit(report: GateReport, path: Path) -> None:
         ET.SubElement(case, "system-out").text = json.dumps(_finite(check.metrics), indent=1, default=str)
     ET.indent(suites)
     ET.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def _machine_properties(machine: dict) -> list[tuple[str, str]]:
+    """machine (the one-line summary), machine.cpu_model, machine.isa (the flags present), machine.threads."""
+    if not machine:
+        return []
+    isa = [flag for flag, present in machine.get("isa", {}).items() if present]
+    return [("machine", machine.get("summary", "")), ("machine.cpu_model", machine.get("cpu_model") or ""),
+            ("machine.isa", " ".join(isa)), ("machine.threads", (machine.get("threads") or {}).get("in_use") or "")]
 
 
 def write_plots(report: GateReport, report_dir: Path) -> dict[str, Path]:
@@ -188,6 +199,7 @@ def write_html(report: GateReport, path: Path, plots: dict[str, Path]) -> None:
         f"<h1>specpipe gate: <span class='{'passed' if report.passed else 'failed'}'>{verdict}</span></h1>",
         f"<p>{esc(report.mode)} &middot; {esc(report.target)} &middot; {esc(report.started)} &middot; "
         f"{report.duration_s:.1f} s</p>",
+        f"<p>measured on: {esc(report.machine.get('summary', 'unknown machine'))}</p>",
         "<table><tr><th>check</th><th>status</th><th>summary</th></tr>",
     ]
     for c in report.checks:
@@ -204,6 +216,8 @@ def write_html(report: GateReport, path: Path, plots: dict[str, Path]) -> None:
                 parts.append(f"<h4>{title}</h4><ul>" + "".join(f"<li>{esc(i)}</li>" for i in items) + "</ul>")
         metrics = {k: v for k, v in c.metrics.items() if k != "runs"}
         parts.append(f"<pre>{esc(json.dumps(_finite(metrics), indent=1, default=str))}</pre>")
+    if report.machine:
+        parts.append(f"<h2>machine</h2><pre>{esc(json.dumps(report.machine, indent=1, default=str))}</pre>")
     parts.append(f"<h2>gate file</h2><pre>{esc(json.dumps(report.gate, indent=1, default=str))}</pre>")
     Path(path).write_text("\n".join(parts))
 

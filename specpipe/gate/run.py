@@ -42,6 +42,7 @@ def run_gate(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from specpipe.machine import describe_machine
     from specpipe.manifest import library_versions, now_iso
 
     started_iso, started = now_iso(), time.perf_counter()
@@ -56,6 +57,7 @@ def run_gate(
     report = GateReport(
         mode=mode, target=str(target), gate=gate.model_dump(mode="json"), checks=checks, started=started_iso,
         duration_s=time.perf_counter() - started, versions=library_versions(),
+        machine=describe_machine(threads).as_dict(),
     )
     write_report(report, Path(report_dir))
     return report

@@ -148,6 +148,22 @@ class Generation:
         )
 
 
+def check_context(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None:
+    """Refuse, before any work, a request whose prompt + max new tokens exceed the engine's context.
+
+    An error rather than a silent cap: a run that quietly ends at the context end looks like a model that
+    stopped early, and the caller cannot tell "length" from "no room". TensorRT-LLM refuses the same request.
+    The one check behind `specpipe generate`, the in-process API and the Triton model."""
+    if prompt_len + max_new_tokens <= max_seq_len:
+        return
+    room = max_seq_len - prompt_len
+    fits = f"at most {room} new tokens fit after this prompt" if room > 0 else "the prompt alone fills it"
+    raise UsageError(
+        f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) = {prompt_len + max_new_tokens}"
+        f" exceeds the engine's max_seq_len {max_seq_len}: {fits}"
+    )
+
+
 def _find_stop(text: str, stops: list[str], sent: int) -> Optional[int]:
     """Earliest index of a stop string in the not-yet-final part of `text`, or None."""
     hits = [text.find(s, max(0, sent - len(s))) for s in stops if s]
@@ -178,6 +194,7 @@ class SpecGenerator:
         return list(ids)
 
     def start(self, prompt_ids: list[int], cfg: GenerationConfig) -> Generation:
+        check_context(len(prompt_ids), cfg.max_new_tokens, self.decoder.target.max_seq_len)
         return Generation(self, prompt_ids, cfg)
 
     def generate(self, prompt: str | list[int], cfg: GenerationConfig, chat: bool = False) -> Result:

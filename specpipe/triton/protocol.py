@@ -333,15 +333,6 @@ def _with_bls_names(tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
     return renamed
 
 
-def check_lengths(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None:
-    """TensorRT-LLM refuses input + output beyond the engine's max_seq_len; so do we, before any work."""
-    if prompt_len + max_new_tokens > max_seq_len:
-        raise UsageError(
-            f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) = {prompt_len + max_new_tokens}"
-            f" exceeds the engine's max_seq_len {max_seq_len}"
-        )
-
-
 def _base_config(tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
     if "generation_config" not in tensors:
         return {}

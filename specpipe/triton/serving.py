@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from specpipe.errors import UsageError
 from specpipe.speculative.generator import Generation, SpecGenerator
-from specpipe.triton.protocol import LLMAPI_FINISH_REASON, ServedRequest, check_lengths, parse_request
+from specpipe.triton.protocol import LLMAPI_FINISH_REASON, ServedRequest, parse_request
 
 
 @dataclass
@@ -47,9 +47,7 @@ class ServedModel:
         request = parse_request(tensors)
         generator = self._generator(request.end_id)
         config = self._generation_config(request)
-        prompt_ids = generator.encode(request.prompt, request.chat)
-        check_lengths(len(prompt_ids), config.max_new_tokens, self.deployment.target.max_seq_len)
-        generation = generator.start(prompt_ids, config)
+        generation = generator.start(generator.encode(request.prompt, request.chat), config)  # checks the context
         clock = _Clock(arrival_ns)
 
         if request.stream:
