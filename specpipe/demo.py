@@ -208,12 +208,16 @@ STEPS: list[Step] = [
 
 
 def main(steps: Optional[list[Step]] = None) -> Demo:
+    from specpipe.machine import describe_machine
+
     console = Console()
     demo = Demo(console)
     summary = Table(title="specpipe demo", title_justify="left")
     summary.add_column("step")
     summary.add_column("time", justify="right")
     summary.add_column("result")
+    machine = describe_machine(threads=2).summary()
+    console.print(f"machine: {machine}")
     started = time.perf_counter()
     for index, step in enumerate(steps or STEPS, 1):
         console.rule(f"[bold]{index}. {step.name}")
@@ -222,7 +226,7 @@ def main(steps: Optional[list[Step]] = None) -> Demo:
         seconds = time.perf_counter() - t0
         console.print(f"[green]done[/] in {seconds:.1f} s: {line}")
         summary.add_row(step.name, f"{seconds:.0f} s", line)
-    summary.add_row("[bold]total", f"[bold]{time.perf_counter() - started:.0f} s", "")
+    summary.add_row("[bold]total", f"[bold]{time.perf_counter() - started:.0f} s", f"on {machine}")
     console.rule()
     console.print(summary)
     if demo.results.get("gate_passed") is False:

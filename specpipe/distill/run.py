@@ -202,6 +202,7 @@ def distill(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> D
 
     from specpipe.distill.precision import choose_precision, resolve_device
     from specpipe.distill.verdict import measure_costs, verdict, verdict_line
+    from specpipe.machine import describe_machine
 
     progress = progress or SilentProgress()
     started = time.perf_counter()
@@ -271,6 +272,7 @@ def distill(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> D
         "kept_step": best[1] if best else state.step,
         "held_out_curve": state.evals,
         "device": str(device),
+        "machine": describe_machine(cfg.threads).as_dict(),  # where the precision timings and rates come from
         "precision": {phase: choice.as_dict() for phase, choice in precision.items()},
         "wall_s": round(time.perf_counter() - started, 1),
     }
