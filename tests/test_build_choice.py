@@ -243,3 +243,18 @@ def test_cli_bad_candidates_are_one_line_errors(capsys, tiny_target, tmp_path, a
                            "--engines-dir", str(tmp_path))
     assert_one_line_error(code, err, needle)
     assert not list(tmp_path.iterdir())
+
+
+def test_the_gate_does_not_hold_a_deployment_without_a_draft_to_draft_thresholds(forced_builds, tmp_path):
+    """speedup_min and acceptance_rate_min measure what a draft adds; the target alone has none to add."""
+    from specpipe.gate import run_gate
+    from tests.test_gate import small_gate
+
+    gate = small_gate(distribution={"enabled": False},
+                      latency={"speedup_min": 1e6, "acceptance_rate_min": 0.5, "tokens_per_s_min": 1e9})
+    report = run_gate(forced_builds["none"], gate, "in-process", tmp_path / "r", progress=False)
+    latency = report.check("latency_slo")
+    assert report.check("greedy_equivalence").status == "passed"
+    assert latency.failures == [f"tokens_per_s = {latency.metrics['tokens_per_s']:.4g} < tokens_per_s_min 1e+09"]
+    assert sorted(latency.metrics["thresholds"]) == ["tokens_per_s_min"]
+    assert len(latency.warnings) == 2 and all("the deployment has no draft" in w for w in latency.warnings)
