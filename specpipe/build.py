@@ -84,11 +84,12 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         choice = None
         if cfg.choosing:
             draft_entry, costs, choice = _choose_draft(stage, cfg, kinds, build_draft, tokenizer, eos_token_ids, say)
+            warnings = _slow_candidates(choice, draft_entry)
         else:
             draft_entry = build_draft(cfg.draft[0], stage, timings)
             say("timing the engines for adaptive K")
             costs = _measure_step_costs(stage, draft_entry, cfg)
-        warnings = _predict(draft_entry, models.get(cfg.draft[0]) if not cfg.choosing else None, costs, choice, cfg)
+            warnings = _predict(cfg.draft[0], draft_entry, models.get(cfg.draft[0]), costs, cfg)
         timings["total_s"] = time.perf_counter() - started
         write_manifest(
             stage,
@@ -189,34 +190,38 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
     return entry, costs, choice
 
 
-def _predict(entry: dict, draft_ckpt, costs, choice: Optional[dict], cfg: BuildConfig) -> list[str]:
-    """The speedup adaptive K's model predicts for the deployed model draft (speculative/adaptive.py), from
-    the acceptance measured on the sample, or for a single draft from its distill record's held-out agreement
-    (or a self-draft's top-1 agreement). Recorded in `entry`; returns one warning per model draft predicted
-    below 1.0x: such a draft makes decoding slower than the target alone on this machine."""
+def _slow_candidates(choice: dict, entry: dict) -> list[str]:
+    """One warning per measured model draft that adaptive K's model predicts below 1.0x (speculative/adaptive.py
+    `predicted_speedup`, with the candidate's step costs and the acceptance measured on the sample); the
+    deployed one's prediction is recorded in `entry`."""
+    warnings = []
+    for m in choice["candidates"]:
+        if m["predicted_speedup"] is None:
+            continue
+        if m["predicted_speedup"] < 1.0:
+            warnings.append(_slow_draft(m["draft"], m["predicted_speedup"], m["acceptance_rate"], "measured acceptance",
+                                        StepCosts(**m["step_costs"])))
+        if m["draft"] == choice["chosen"]:
+            entry["prediction"] = {"speedup": m["predicted_speedup"], "acceptance": m["acceptance_rate"],
+                                   "acceptance_from": "measured on the build's sample"}
+    return warnings
+
+
+def _predict(spec: str, entry: dict, draft_ckpt, costs: StepCosts, cfg: BuildConfig) -> list[str]:
+    """A single model draft's predicted speedup (adaptive K's model with this machine's step costs), when an
+    earlier measurement gives its acceptance: its distill record's held-out agreement, or a self-draft's
+    top-1 agreement. Recorded in `entry`; a warning when below 1.0x (the draft makes decoding slower)."""
     from specpipe.draft_choice import MODEL_KINDS, adaptive_ceiling
     from specpipe.speculative.adaptive import predicted_speedup
 
-    warnings = []
-    if choice is not None:
-        for m in choice["candidates"]:
-            if m["predicted_speedup"] is not None and m["predicted_speedup"] < 1.0:
-                warnings.append(_slow_draft(m["draft"], m["predicted_speedup"], m["acceptance_rate"], "measured acceptance",
-                                            StepCosts(**m["step_costs"])))
-            if m["draft"] == choice["chosen"] and m["predicted_speedup"] is not None:
-                entry["prediction"] = {"speedup": m["predicted_speedup"], "acceptance": m["acceptance_rate"],
-                                       "acceptance_from": "measured on the build's sample"}
-        return warnings
     if entry["kind"] not in MODEL_KINDS:
-        return warnings
+        return []
     acceptance, source = _known_acceptance(entry, draft_ckpt)
     if acceptance is None:
-        return warnings
+        return []
     speedup = predicted_speedup(acceptance, costs, adaptive_ceiling(cfg.max_draft_len))
     entry["prediction"] = {"speedup": speedup, "acceptance": acceptance, "acceptance_from": source}
-    if speedup < 1.0:
-        warnings.append(_slow_draft(cfg.draft[0], speedup, acceptance, source, costs))
-    return warnings
+    return [_slow_draft(spec, speedup, acceptance, source, costs)] if speedup < 1.0 else []
 
 
 def _known_acceptance(entry: dict, draft_ckpt) -> tuple[Optional[float], str]:
