@@ -167,8 +167,10 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
                                         max_draft_len=cfg.max_draft_len, progress=say)
     chosen, reason = draft_choice.choose(measurements, cfg.choice.min_speedup)
     say(f"chose {chosen}: {reason}")
-    for measurement in measurements:
-        measurement["build_timings_s"] = build_s.get(measurement["draft"], {})
+    for measurement in measurements:  # what was built: a cache can tell whether the same candidates were measured
+        entry = entries.get(measurement["draft"], {})
+        measurement.update(source=entry.get("source", measurement["draft"]), weights_sha256=entry.get("weights_sha256"),
+                           build_timings_s=build_s.get(measurement["draft"], {}))
     choice = {
         "chosen": chosen,
         "reason": reason,

@@ -94,6 +94,7 @@ def test_every_candidate_and_the_target_alone_are_measured_and_recorded(candidat
     for draft in (str(tiny_draft), "self:int8-wo"):  # drafts with engines: their cost and the predicted speedup
         assert records[draft]["step_costs"]["draft"] > 0 and records[draft]["predicted_speedup"] > 0
         assert records[draft]["build_timings_s"]
+    assert records[str(tiny_draft)]["weights_sha256"] and records["ngram"]["weights_sha256"] is None
     assert choice["sample"]["prompts_per_set"] == 1 and choice["sample"]["new_tokens"] == 16
 
 
