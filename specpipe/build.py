@@ -16,28 +16,33 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
-from specpipe.config import BuildConfig
+from specpipe.config import BuildConfig, draft_kind
 from specpipe.engines.onnxruntime import OrtEngine, optimize_for_cpu, write_engine_meta
 from specpipe.errors import ExportError, OutputExistsError, UsageError
 from specpipe.export.onnx import check_export, export_onnx
 from specpipe.machine import describe_machine
 from specpipe.manifest import file_hashes, library_versions, now_iso, write_manifest
+from specpipe.speculative.adaptive import StepCosts
 
 Progress = Callable[[str], None]
 SERVED_MODEL = "ensemble"  # the model name TensorRT-LLM's Triton clients ask for by default
 
 
-def default_name(target: str, draft: str) -> str:
+def default_name(target: str, draft: str | list[str]) -> str:
     def short(spec: str) -> str:
         stem = Path(spec.rstrip("/")).name
         stem = stem[:-5] if stem.endswith(".gguf") else stem
         return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.") or "model"
 
-    return f"{short(target)}--{short(draft)}"
+    drafts = [draft] if isinstance(draft, str) else draft
+    return f"{short(target)}--{short(drafts[0]) if len(drafts) == 1 else 'auto'}"  # auto: chosen at build
 
 
 def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
-    """Build engines/<name>/ (and the Triton repository when cfg.repo_dir is set). Returns the folder."""
+    """Build engines/<name>/ (and the Triton repository when cfg.repo_dir is set). Returns the folder.
+
+    One --draft is built and deployed as given. Several are each built and measured against the target
+    alone, and the fastest is deployed, or none (specpipe/draft_choice.py); the others are not kept."""
     from specpipe.checkpoint import check_pair, inspect_checkpoint, load_tokenizer, resolve_checkpoint, tokenizer_hash
 
     say = progress or (lambda msg: None)
@@ -50,19 +55,21 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     from specpipe.quantize import check_kv_cache_dtype
 
     check_kv_cache_dtype(cfg.quant, cfg.backend)  # refuse, never silently ignore, a KV precision we cannot do
-    if cfg.draft_vocab and cfg.draft_kind != "model":
-        raise UsageError(f"--draft-vocab applies to a draft model; --draft {cfg.draft} has no head of its own")
+    kinds = {spec: draft_kind(spec) for spec in cfg.draft}
+    if cfg.draft_vocab and "model" not in kinds.values():
+        raise UsageError(f"--draft-vocab applies to a draft model; --draft {', '.join(cfg.draft)} has no head of its own")
     started = time.perf_counter()
 
     say(f"resolving target {cfg.target}")
     target = resolve_checkpoint(cfg.target, allow_pickle=cfg.allow_pickle)
-    draft = None  # prompt lookup and self-drafts have no checkpoint of their own
-    if cfg.draft_kind == "model":
-        say(f"resolving draft {cfg.draft}")
-        draft = resolve_checkpoint(cfg.draft, allow_pickle=cfg.allow_pickle)
+    models = {}  # draft checkpoints (prompt lookup, self-drafts and none have none of their own)
+    for spec in (spec for spec, kind in kinds.items() if kind == "model"):
+        say(f"resolving draft {spec}")
+        models[spec] = resolve_checkpoint(spec, allow_pickle=cfg.allow_pickle)
         say("checking the pair is compatible")
-        check_pair(target.path, draft.path)
-    draft_vocab = _draft_vocab(cfg, target, draft)
+        check_pair(target.path, models[spec].path)
+    vocabs = {spec: _draft_vocab(cfg, target, draft) for spec, draft in models.items()}
+    eos_token_ids = sorted(inspect_checkpoint(target.path).eos_token_ids)
 
     Path(cfg.engines_dir).mkdir(parents=True, exist_ok=True)
     with _staging(final) as stage:
@@ -70,19 +77,20 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         tokenizer.save_pretrained(str(stage / "tokenizer"))
         timings: dict[str, float] = {}
         target_entry = _build_engine(target, stage / "target", cfg, cfg.quant, tokenizer, say, timings, "target")
-        if cfg.draft_kind == "ngram":
-            draft_entry = {"kind": "ngram", "source": "ngram", "ngram": cfg.ngram.model_dump()}
-        elif cfg.draft_kind == "self":
-            draft_entry = _build_self_draft(stage, cfg, tokenizer, say, timings, target_entry)
-        elif draft.weights_sha256 == target.weights_sha256 and cfg.draft_quant == cfg.quant and draft_vocab is None:
-            say("draft is the target: reusing its engine")
-            shutil.copytree(stage / "target", stage / "draft", copy_function=_link_or_copy)
-            draft_entry = {**target_entry, "source": draft.source, "engine": {**target_entry["engine"], "path": "draft"}}
+
+        def build_draft(spec: str, out: Path, spent: dict) -> dict:
+            return _build_draft(spec, kinds[spec], out, stage, cfg, models.get(spec), vocabs.get(spec), target,
+                                tokenizer, say, spent, target_entry)
+
+        choice = None
+        if cfg.choosing:
+            draft_entry, costs, choice = _choose_draft(stage, cfg, kinds, build_draft, tokenizer, eos_token_ids, say)
+            warnings = _slow_candidates(choice, draft_entry)
         else:
-            draft_entry = _build_engine(draft, stage / "draft", cfg, cfg.draft_quant, tokenizer, say, timings, "draft",
-                                        draft_vocab)
-        say("timing the engines for adaptive K")
-        costs = _measure_step_costs(stage, cfg, has_draft_engine=cfg.draft_kind != "ngram")
+            draft_entry = build_draft(cfg.draft[0], stage, timings)
+            say("timing the engines for adaptive K")
+            costs = _measure_step_costs(stage, draft_entry, cfg)
+            warnings = _predict(cfg.draft[0], draft_entry, models.get(cfg.draft[0]), costs, cfg)
         timings["total_s"] = time.perf_counter() - started
         write_manifest(
             stage,
@@ -93,12 +101,14 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
                 "versions": library_versions(),
                 "build": json.loads(cfg.model_dump_json()),
                 "tokenizer": {"path": "tokenizer", "hash": tokenizer_hash(tokenizer)},
-                "eos_token_ids": sorted(inspect_checkpoint(target.path).eos_token_ids),
+                "eos_token_ids": eos_token_ids,
                 "max_draft_len": cfg.max_draft_len,
                 "step_costs": costs.as_dict(),
                 "machine": describe_machine(cfg.threads).as_dict(),  # where step_costs and timings_s were measured
                 "target": target_entry,
-                "draft": {"kind": "model", **draft_entry},  # ngram / self entries carry their own kind
+                "draft": draft_entry,
+                **({"draft_choice": choice} if choice is not None else {}),
+                "warnings": warnings,
                 "timings_s": timings,
             },
         )
@@ -110,6 +120,131 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
                                      model_name=SERVED_MODEL, force=True)
         say(f"wrote the Triton model repository {model_dir}")
     return final
+
+
+def _build_draft(spec: str, kind: str, out: Path, stage: Path, cfg: BuildConfig, draft, vocab: Optional[dict], target,
+                 tokenizer, say: Progress, timings: dict, target_entry: dict) -> dict:
+    """Build one --draft candidate's files in `out` (its engine in out/draft); returns its manifest entry,
+    whose paths are relative to `out`. `stage` holds the target's engines (a self-draft starts from them)."""
+    if kind == "none":
+        return {"kind": "none", "source": "none"}
+    if kind == "ngram":
+        return {"kind": "ngram", "source": "ngram", "ngram": cfg.ngram.model_dump()}
+    if kind == "self":
+        return _build_self_draft(spec, stage, out, cfg, tokenizer, say, timings, target_entry)
+    if draft.weights_sha256 == target.weights_sha256 and cfg.draft_quant == cfg.quant and vocab is None:
+        say("draft is the target: reusing its engine")
+        shutil.copytree(stage / "target", out / "draft", copy_function=_link_or_copy)
+        return {"kind": "model", **target_entry, "source": draft.source,
+                "engine": {**target_entry["engine"], "path": "draft"}}
+    entry = _build_engine(draft, out / "draft", cfg, cfg.draft_quant, tokenizer, say, timings, "draft", vocab)
+    return {"kind": "model", **entry}
+
+
+def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Callable[[str, Path, dict], dict], tokenizer,
+                  eos_token_ids: list[int], say: Progress):
+    """Build every candidate in stage/candidates/<i>, measure them all against the target alone, and move the
+    chosen one's files into the stage; the others are removed with that folder.
+    Returns (the chosen draft's manifest entry, its step costs, the manifest's `draft_choice`)."""
+    from specpipe import draft_choice
+    from specpipe.deployment import make_drafter
+    from specpipe.speculative.adaptive import measure_step_costs
+
+    target = OrtEngine(stage / "target", threads=cfg.threads)
+    candidates, entries, folders, build_s = [], {}, {}, {}
+    for index, spec in enumerate(cfg.draft):
+        say(f"candidate {index + 1}/{len(cfg.draft)}: {spec}")
+        folders[spec] = stage / "candidates" / str(index)
+        folders[spec].mkdir(parents=True)
+        spent: dict[str, float] = {}
+        entries[spec] = build_draft(spec, folders[spec], spent)
+        build_s[spec] = spent
+        drafter = make_drafter(folders[spec], entries[spec], target, cfg.threads)
+        say(f"timing the engines of {spec} for adaptive K")
+        costs = measure_step_costs(target, getattr(drafter, "engine", None))
+        candidates.append(draft_choice.Candidate(spec, kinds[spec], drafter, costs))
+
+    started = time.perf_counter()
+    measurements = draft_choice.measure(target, candidates, tokenizer, eos_token_ids, cfg.choice,
+                                        max_draft_len=cfg.max_draft_len, progress=say)
+    chosen, reason = draft_choice.choose(measurements, cfg.choice.min_speedup)
+    say(f"chose {chosen}: {reason}")
+    for measurement in measurements:  # what was built: a cache can tell whether the same candidates were measured
+        entry = entries.get(measurement["draft"], {})
+        measurement.update(source=entry.get("source", measurement["draft"]), weights_sha256=entry.get("weights_sha256"),
+                           build_timings_s=build_s.get(measurement["draft"], {}))
+    choice = {
+        "chosen": chosen,
+        "reason": reason,
+        "min_speedup": cfg.choice.min_speedup,
+        "sample": {"prompt_sets": list(cfg.choice.choice_sets), "prompts_per_set": cfg.choice.choice_prompts,
+                   "new_tokens": cfg.choice.choice_tokens, "decoding": "greedy, adaptive K"},
+        "candidates": measurements,
+        "wall_s": time.perf_counter() - started,
+    }
+    del candidates, target  # the ONNX Runtime sessions, before their files move
+    if chosen == draft_choice.NONE:
+        entry, costs = {"kind": "none", "source": "none"}, _measure_step_costs(stage, {}, cfg)
+    else:
+        entry = entries[chosen]
+        for path in folders[chosen].iterdir():
+            path.rename(stage / path.name)
+        costs = next(StepCosts(**m["step_costs"]) for m in measurements if m["draft"] == chosen)
+    shutil.rmtree(stage / "candidates")
+    return entry, costs, choice
+
+
+def _slow_candidates(choice: dict, entry: dict) -> list[str]:
+    """One warning per measured model draft that adaptive K's model predicts below 1.0x (speculative/adaptive.py
+    `predicted_speedup`, with the candidate's step costs and the acceptance measured on the sample); the
+    deployed one's prediction is recorded in `entry`."""
+    warnings = []
+    for m in choice["candidates"]:
+        if m["predicted_speedup"] is None:
+            continue
+        if m["predicted_speedup"] < 1.0:
+            warnings.append(_slow_draft(m["draft"], m["predicted_speedup"], m["acceptance_rate"], "measured acceptance",
+                                        StepCosts(**m["step_costs"])))
+        if m["draft"] == choice["chosen"]:
+            entry["prediction"] = {"speedup": m["predicted_speedup"], "acceptance": m["acceptance_rate"],
+                                   "acceptance_from": "measured on the build's sample"}
+    return warnings
+
+
+def _predict(spec: str, entry: dict, draft_ckpt, costs: StepCosts, cfg: BuildConfig) -> list[str]:
+    """A single model draft's predicted speedup (adaptive K's model with this machine's step costs), when an
+    earlier measurement gives its acceptance: its distill record's held-out agreement, or a self-draft's
+    top-1 agreement. Recorded in `entry`; a warning when below 1.0x (the draft makes decoding slower)."""
+    from specpipe.draft_choice import MODEL_KINDS, adaptive_ceiling
+    from specpipe.speculative.adaptive import predicted_speedup
+
+    if entry["kind"] not in MODEL_KINDS:
+        return []
+    acceptance, source = _known_acceptance(entry, draft_ckpt)
+    if acceptance is None:
+        return []
+    speedup = predicted_speedup(acceptance, costs, adaptive_ceiling(cfg.max_draft_len))
+    entry["prediction"] = {"speedup": speedup, "acceptance": acceptance, "acceptance_from": source}
+    return [_slow_draft(spec, speedup, acceptance, source, costs)] if speedup < 1.0 else []
+
+
+def _known_acceptance(entry: dict, draft_ckpt) -> tuple[Optional[float], str]:
+    """A single draft's expected per-token acceptance, when something measured it before this build."""
+    if entry["kind"] == "self":
+        agreement = (entry.get("quant") or {}).get("accuracy", {}).get("top1_agreement")
+        return agreement, "top-1 agreement with the target (quantization accuracy)"
+    from specpipe.distill.run import RECORD
+
+    record = Path(draft_ckpt.path) / RECORD if draft_ckpt is not None else None
+    if record is None or not record.is_file():
+        return None, ""
+    agreement = json.loads(record.read_text()).get("held_out_agreement")
+    return agreement, f"{RECORD} held_out_agreement"
+
+
+def _slow_draft(spec: str, speedup: float, acceptance: float, source: str, costs) -> str:
+    return (f"draft {spec} is predicted at {speedup:.2f}x the target alone on this machine (acceptance {acceptance:.2f} "
+            f"from {source}, draft step {costs.draft:.2f} of a target step): it makes decoding slower")
 
 
 def _draft_vocab(cfg: BuildConfig, target, draft) -> Optional[dict]:
@@ -197,7 +332,8 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
     return entry
 
 
-def _build_self_draft(stage: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict, target_entry: dict) -> dict:
+def _build_self_draft(spec: str, stage: Path, out: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict,
+                      target_entry: dict) -> dict:
     """`--draft self:MODE`: the target's own engine, weight-only quantized, drafts for it.
 
     Quantized from the unquantized target engine (`target/`, or `target-fp32/` when --quant quantized the
@@ -207,28 +343,30 @@ def _build_self_draft(stage: Path, cfg: BuildConfig, tokenizer, say: Progress, t
     from specpipe.config import QuantConfig
     from specpipe.quantize import quantize_engine
 
-    mode = cfg.draft.removeprefix("self:")
+    mode = spec.removeprefix("self:")
     reference = (target_entry.get("quant") or {}).get("reference_path") or target_entry["engine"]["path"]
     t0 = time.perf_counter()
     say(f"quantizing the target ({mode}) as its own draft")
-    quant = quantize_engine(stage / reference, stage / "draft", QuantConfig(mode=mode, accept_accuracy_loss=True),
+    quant = quantize_engine(stage / reference, out / "draft", QuantConfig(mode=mode, accept_accuracy_loss=True),
                             tokenizer, model_name="self-draft", threads=cfg.threads)
     timings["draft_quantize_s"] = time.perf_counter() - t0
     return {
         "kind": "self",
-        "source": f"{cfg.draft} of {target_entry['source']}",
-        "engine": {"path": "draft", "backend": "onnxruntime", "quant": mode, "files": file_hashes(stage / "draft")},
+        "source": f"{spec} of {target_entry['source']}",
+        "engine": {"path": "draft", "backend": "onnxruntime", "quant": mode, "files": file_hashes(out / "draft")},
         "quant": {**quant, "reference_path": reference},
     }
 
 
-def _measure_step_costs(stage: Path, cfg: BuildConfig, has_draft_engine: bool):
+def _measure_step_costs(stage: Path, draft_entry: dict, cfg: BuildConfig):
     """Draft and verification costs relative to a target step, on these engines and this machine: adaptive
-    K's inputs (speculative/adaptive.py). Recorded once, so every process serving the build drafts alike."""
+    K's inputs (speculative/adaptive.py). Recorded once, so every process serving the build drafts alike.
+    A draft without an engine (prompt lookup, none) costs nothing."""
     from specpipe.speculative.adaptive import measure_step_costs
 
     target = OrtEngine(stage / "target", threads=cfg.threads)
-    draft = OrtEngine(stage / "draft", threads=cfg.threads) if has_draft_engine else None
+    engine = draft_entry.get("engine")
+    draft = OrtEngine(stage / engine["path"], threads=cfg.threads) if engine else None
     return measure_step_costs(target, draft)
 
 

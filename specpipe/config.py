@@ -12,6 +12,9 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
+BenchPromptSet = Literal["code", "chat", "grounded"]  # the packaged prompt sets (specpipe/bench/prompts)
+
+
 class SamplingConfig(Strict):
     """How a next-token distribution is shaped. Applied identically to target (p) and draft (q).
 
@@ -58,10 +61,19 @@ class GenerationConfig(Strict):
 
 
 class BuildConfig(Strict):
-    """`specpipe build`: a draft/target pair -> engines/<name>/ (+ triton_repo/)."""
+    """`specpipe build`: a draft/target pair -> engines/<name>/ (+ triton_repo/).
+
+    `draft` lists candidates. One is built and deployed as asked. Several are each built and measured
+    against the target alone, and the fastest is deployed, or none when no draft beats the target alone
+    by `choice.min_speedup` (specpipe/draft_choice.py).
+    """
 
     target: str
-    draft: str
+    draft: list[str] = Field(
+        min_length=1,
+        description="candidate drafts: a checkpoint, `ngram`, `self:int4-wo` / `self:int8-wo`, or `none` (the "
+        "target alone); a single string is one candidate",
+    )
     name: Optional[str] = Field(None, description="default: derived from the pair")
     engines_dir: Path = Path("engines")
     repo_dir: Optional[Path] = Field(Path("triton_repo"), description="Triton model repository to write; None = none")
@@ -79,6 +91,8 @@ class BuildConfig(Strict):
     export_tolerance: float = Field(1e-3, gt=0, description="max |logit diff| engine vs torch (fp32)")
     backend: Literal["onnxruntime"] = "onnxruntime"
     ngram: "NgramConfig" = Field(default_factory=lambda: NgramConfig(), description="--draft ngram: lookup sizes")
+    choice: "DraftChoiceConfig" = Field(default_factory=lambda: DraftChoiceConfig(),
+                                        description="several --draft candidates: how they are measured and chosen")
     quant: "QuantConfig" = Field(default_factory=lambda: QuantConfig(), description="target quantization")
     draft_quant: "QuantConfig" = Field(default_factory=lambda: QuantConfig(), description="draft model quantization")
 
@@ -89,22 +103,56 @@ class BuildConfig(Strict):
             raise ValueError(f"--name must be a plain folder name, got {v!r}")
         return v
 
+    @field_validator("draft", mode="before")
+    @classmethod
+    def _one_draft_is_a_list_of_one(cls, v):
+        return [v] if isinstance(v, str) else v
+
     @field_validator("draft")
     @classmethod
-    def _self_draft_is_weight_only(cls, v: str) -> str:
-        if v.startswith("self:") and v.removeprefix("self:") not in SELF_DRAFT_QUANTS:
-            raise ValueError(
-                f"{v} is not a self-draft: use " + " or ".join(f"self:{mode}" for mode in SELF_DRAFT_QUANTS)
-                + " (the target's own weight-only quantized engine)"
-            )
+    def _candidates_are_valid_and_distinct(cls, v: list[str]) -> list[str]:
+        for spec in v:
+            if spec.startswith("self:") and spec.removeprefix("self:") not in SELF_DRAFT_QUANTS:
+                raise ValueError(
+                    f"{spec} is not a self-draft: use " + " or ".join(f"self:{mode}" for mode in SELF_DRAFT_QUANTS)
+                    + " (the target's own weight-only quantized engine)"
+                )
+        repeated = sorted({spec for spec in v if v.count(spec) > 1})
+        if repeated:
+            raise ValueError(f"{', '.join(repeated)} given more than once")
         return v
 
     @property
-    def draft_kind(self) -> Literal["model", "ngram", "self"]:
-        """What --draft names: prompt lookup ("ngram"), the target quantized ("self:int4-wo"), or a checkpoint."""
-        if self.draft == "ngram":
-            return "ngram"
-        return "self" if self.draft.startswith("self:") else "model"
+    def choosing(self) -> bool:
+        """Several candidates: measure them all and deploy the fastest (or none)."""
+        return len(self.draft) > 1
+
+
+DraftKind = Literal["model", "ngram", "self", "none"]
+
+
+def draft_kind(spec: str) -> DraftKind:
+    """What a --draft value names: prompt lookup, the target quantized, no draft, or a checkpoint."""
+    if spec in ("ngram", "none"):
+        return spec
+    return "self" if spec.startswith("self:") else "model"
+
+
+class DraftChoiceConfig(Strict):
+    """How `build` measures several --draft candidates: greedy, adaptive K with the step costs measured at
+    build, on a few packaged bench prompts, every candidate and the target alone interleaved prompt by
+    prompt in one run (so load on a shared machine hits all alike); speedup = median tokens/s over the
+    target alone's."""
+
+    min_speedup: float = Field(
+        1.05, ge=1.0, description="deploy a draft only when it is at least this many times as fast as the target "
+        "alone on the sample (a margin over measurement noise); else deploy the target alone",
+    )
+    choice_sets: list[BenchPromptSet] = Field(
+        default_factory=lambda: ["code", "chat"], min_length=1, description="packaged prompt sets of the sample")
+    choice_prompts: int = Field(2, ge=1, description="prompts taken from each set (the first N)")
+    choice_tokens: int = Field(64, ge=8, description="new tokens per prompt")
+    warmup_prompts: int = Field(1, ge=0, description="untimed runs per candidate before measuring")
 
 
 # ---- `specpipe validate`: the gate file (TOML). Every section and key is optional; a missing latency
@@ -275,9 +323,6 @@ class DistillConfig(Strict):
     threads: int = Field(2, ge=1, description="torch threads")
 
 
-BenchPromptSet = Literal["code", "chat", "grounded"]
-
-
 class BenchConfig(Strict):
     """`specpipe bench`: target-only, speculative K=1..8 (and adaptive K), and transformers' assisted
     generation on the same pair, prompts and settings, in one run."""
@@ -402,7 +447,7 @@ class QuantConfig(Strict):
         return self.mode in ("int8", "fp8")
 
 
-BuildConfig.model_rebuild()  # resolves its NgramConfig / QuantConfig fields, defined after it
+BuildConfig.model_rebuild()  # resolves its NgramConfig / DraftChoiceConfig / QuantConfig fields, defined after it
 
 
 # ---- GPU backends (`specpipe build --backend tensorrt|trtllm`): what specpipe.gpu.make_plan plans.

@@ -35,23 +35,28 @@ class Deployment:
         return int(self.manifest.get("max_draft_len", 8))
 
     def generation_config(self, **overrides) -> GenerationConfig:
-        """A GenerationConfig for this deployment; a fixed K beyond the built max_draft_len is refused, an
-        adaptive K is kept within it."""
-        cfg = GenerationConfig(**overrides)
-        if cfg.draft_length != "fixed":
-            ceiling = min(cfg.max_draft_tokens, self.max_draft_len)
-            return cfg.model_copy(update={"max_draft_tokens": ceiling, "num_draft_tokens": min(cfg.num_draft_tokens, ceiling)})
-        if cfg.num_draft_tokens > self.max_draft_len:
-            raise EngineError(
-                f"num_draft_tokens {cfg.num_draft_tokens} > max_draft_len {self.max_draft_len} this deployment was built for"
-            )
-        return cfg
+        return bounded_generation_config(self.max_draft_len, **overrides)
+
+
+def bounded_generation_config(max_draft_len: int, **overrides) -> GenerationConfig:
+    """A GenerationConfig for a deployment built for K <= max_draft_len: a fixed K beyond it is refused, an
+    adaptive K is kept within it."""
+    cfg = GenerationConfig(**overrides)
+    if cfg.draft_length != "fixed":
+        ceiling = min(cfg.max_draft_tokens, max_draft_len)
+        return cfg.model_copy(update={"max_draft_tokens": ceiling, "num_draft_tokens": min(cfg.num_draft_tokens, ceiling)})
+    if cfg.num_draft_tokens > max_draft_len:
+        raise EngineError(f"num_draft_tokens {cfg.num_draft_tokens} > max_draft_len {max_draft_len} this deployment was built for")
+    return cfg
 
 
 def make_drafter(folder: Path, draft: dict, target: Engine, threads: int) -> Optional[Drafter]:
     """The drafter the manifest's `draft` section describes: kind model, self (the target quantized: a
-    model draft too) or ngram (prompt lookup, no engine)."""
+    model draft too), ngram (prompt lookup, no engine), or none (the target alone: build found no draft
+    that made decoding faster; every request then decodes target-only)."""
     kind = draft.get("kind", "model")
+    if kind == "none":
+        return None
     if kind in ("model", "self"):
         return ModelDrafter(load_engine(folder / draft["engine"]["path"], threads=threads), target.vocab_size)
     if kind == "ngram":

@@ -1,8 +1,9 @@
 """The served model through a real tritonserver on free loopback ports, over gRPC.
 
-One module-scoped server serves a relocated repository with two models built from the tiny pair:
-`ensemble` (an unrelated random draft: mostly rejections and rollbacks; 2 instances) and `self_draft`
-(draft = target: every draft accepted, so each streamed response carries several tokens).
+One module-scoped server serves a relocated repository with three models built from the tiny pair:
+`ensemble` (an unrelated random draft: mostly rejections and rollbacks; 2 instances), `self_draft`
+(draft = target: every draft accepted, so each streamed response carries several tokens) and
+`target_alone` (no draft, as `build` deploys when every candidate draft was slower than the target alone).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def builds(tiny_target, tiny_draft, tmp_path_factory) -> dict[str, Path]:
     make = lambda name, draft: build(  # noqa: E731
         BuildConfig(target=str(tiny_target), draft=str(draft), name=name, engines_dir=root, repo_dir=None)
     )
-    return {"ensemble": make("pair", tiny_draft), "self_draft": make("self", tiny_target)}
+    return {"ensemble": make("pair", tiny_draft), "self_draft": make("self", tiny_target), "target_alone": make("alone", "none")}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,7 @@ def repo(builds, tmp_path_factory) -> Path:
     written = tmp_path_factory.mktemp("written") / "triton_repo"
     write_repository(builds["ensemble"], written, model_name="ensemble", instance_count=2)
     write_repository(builds["self_draft"], written, model_name="self_draft", instance_count=1)
+    write_repository(builds["target_alone"], written, model_name="target_alone", instance_count=1)
     moved = tmp_path_factory.mktemp("moved") / "elsewhere"
     shutil.move(str(written), str(moved))
     assert not written.exists()
@@ -86,7 +88,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not_streamed"])
-@pytest.mark.parametrize("model", ["ensemble", "self_draft"])
+@pytest.mark.parametrize("model", ["ensemble", "self_draft", "target_alone"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_served_output_equals_in_process_output(server, local, model, config, stream):
     cfg = CONFIGS[config]
@@ -108,6 +110,16 @@ def test_served_output_equals_in_process_output(server, local, model, config, st
             assert result["acceptance_rate"] == 1.0
             if stream:
                 assert max(result["chunk_tokens"]) > 1  # several accepted tokens stream in one response
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not_streamed"])
+def test_a_model_without_a_draft_answers_as_the_target_alone(server, local, stream):
+    cfg = CONFIGS["adaptive"]  # speculative requested: there is nothing to draft with
+    for prompt in PROMPTS[:2]:
+        generation = remote_generate(server.url, prompt, cfg, stream=stream, model_name="target_alone")
+        "".join(generation)
+        alone = local("ensemble", prompt, CONFIGS["target_only"])  # the same target engine, decoding alone
+        assert generation.result["token_ids"] == alone.token_ids and generation.result["drafted"] == 0
 
 
 def test_chat_template_is_applied_server_side(server, local):

@@ -8,7 +8,9 @@ from pathlib import Path
 import click
 
 from specpipe.commands.gpu_build import backend_of, gpu_build, gpu_options, split_gpu_options
-from specpipe.config import AccuracyBudget, BuildConfig, NgramConfig, QuantConfig, field_default, field_help, make_config
+from specpipe.config import (AccuracyBudget, BuildConfig, DraftChoiceConfig, NgramConfig, QuantConfig, field_default,
+                             field_help, make_config)
+from specpipe.errors import UsageError
 from specpipe.quantize.pipeline import MODE_HELP
 
 _QUANT_MODES = click.Choice(["none", "int8-wo", "int4-wo", "int8", "fp8"])
@@ -17,9 +19,18 @@ _QUANT_MODES = click.Choice(["none", "int8-wo", "int4-wo", "int8", "fp8"])
 @click.command()
 @gpu_options
 @click.option("--target", required=True, help="Target: HF checkpoint folder, .gguf file, or alias (e.g. smollm2-135m).")
-@click.option("--draft", required=True,
+@click.option("--draft", required=True, multiple=True,
               help="Draft: same forms as --target, sharing its tokenizer; or `ngram` (prompt lookup, no model); or "
-                   "`self:int4-wo` / `self:int8-wo` (the target's own weight-only quantized engine).")
+                   "`self:int4-wo` / `self:int8-wo` (the target's own weight-only quantized engine); or `none` (the "
+                   "target alone). Repeat it to give candidates: each is built and measured against the target alone "
+                   "on a few bench prompts, and the fastest is deployed, or none unless one reaches --min-speedup.")
+@click.option("--min-speedup", type=float, default=field_default(DraftChoiceConfig, "min_speedup"), show_default=True,
+              help="Several --draft: " + field_help(DraftChoiceConfig, "min_speedup"))
+@click.option("--choice-prompts", type=int, default=field_default(DraftChoiceConfig, "choice_prompts"), show_default=True,
+              help="Several --draft: bench prompts measured from each of the "
+                   + " and ".join(field_default(DraftChoiceConfig, "choice_sets")) + " sets.")
+@click.option("--choice-tokens", type=int, default=field_default(DraftChoiceConfig, "choice_tokens"), show_default=True,
+              help="Several --draft: " + field_help(DraftChoiceConfig, "choice_tokens"))
 @click.option("--ngram-max", type=int, default=field_default(NgramConfig, "ngram_max"), show_default=True,
               help="--draft ngram: " + field_help(NgramConfig, "ngram_max"))
 @click.option("--ngram-min", type=int, default=field_default(NgramConfig, "ngram_min"), show_default=True,
@@ -61,9 +72,12 @@ _QUANT_MODES = click.Choice(["none", "int8-wo", "int4-wo", "int8", "fp8"])
 def build(as_json: bool, no_repo: bool, **options) -> None:
     """Check a draft/target pair, export both to engines, and write engines/NAME/manifest.json.
 
+    With several --draft candidates, deploy the one measured fastest, or the target alone.
+
     \b
-    Example:
+    Examples:
       specpipe build --target smollm2-135m --draft path/to/draft
+      specpipe build --target smollm2-135m --draft path/to/draft --draft ngram --draft self:int4-wo
     """
     from rich.console import Console
 
@@ -72,11 +86,15 @@ def build(as_json: bool, no_repo: bool, **options) -> None:
     if no_repo:
         options["repo_dir"] = None
     ngram = make_config(NgramConfig, ngram_max=options.pop("ngram_max"), ngram_min=options.pop("ngram_min"))
+    choice = make_config(DraftChoiceConfig, **{k: options.pop(k) for k in ("min_speedup", "choice_prompts", "choice_tokens")})
+    options["draft"] = list(options["draft"])
     gpu = split_gpu_options(build, options)
     if backend_of(gpu) is not None:  # --backend tensorrt | trtllm: specpipe/commands/gpu_build.py
-        return gpu_build(gpu, options, as_json=as_json)
+        if len(options["draft"]) != 1:
+            raise UsageError(f"--backend {backend_of(gpu)} builds one --draft; got {len(options['draft'])}")
+        return gpu_build(gpu, {**options, "draft": options["draft"][0]}, as_json=as_json)
     quant, draft_quant = _quant_configs(options)
-    cfg = make_config(BuildConfig, **options, ngram=ngram, quant=quant, draft_quant=draft_quant)
+    cfg = make_config(BuildConfig, **options, ngram=ngram, choice=choice, quant=quant, draft_quant=draft_quant)
     console = Console(stderr=True)
     with console.status("building") as status:
         folder = build_pair(cfg, progress=lambda msg: (status.update(msg), console.log(msg)))
@@ -84,20 +102,43 @@ def build(as_json: bool, no_repo: bool, **options) -> None:
     if as_json:
         click.echo(json.dumps(manifest, indent=2))
     else:
-        t, d = manifest["target"], manifest["draft"]
-        click.echo(f"built {folder}")
-        click.echo(f"  target {t['source']}: max |logit diff| vs torch {t['export_check']['max_abs_diff']:.2e}")
-        if "export_check" in d:
-            click.echo(f"  draft  {d['source']}: max |logit diff| vs torch {d['export_check']['max_abs_diff']:.2e}")
-            if "vocab" in d:
-                click.echo(f"  draft  head scores its {d['vocab']['size']} most used tokens "
-                           f"({d['vocab']['coverage']:.1%} of its training tokens)")
-        elif d["kind"] == "self":
-            click.echo(f"  draft  {d['source']}: top-1 agreement with the target "
-                       f"{d['quant']['accuracy']['top1_agreement']:.3f}")
-        else:
-            click.echo(f"  draft  prompt lookup (n-grams {d['ngram']['ngram_min']}..{d['ngram']['ngram_max']})")
-        click.echo(f"  took {manifest['timings_s']['total_s']:.1f} s")
+        _print_summary(folder, manifest)
+    for warning in manifest.get("warnings", []):
+        click.echo(f"warning: {warning}", err=True)
+
+
+def _print_summary(folder: Path, manifest: dict) -> None:
+    t, d = manifest["target"], manifest["draft"]
+    click.echo(f"built {folder}")
+    click.echo(f"  target {t['source']}: max |logit diff| vs torch {t['export_check']['max_abs_diff']:.2e}")
+    if "export_check" in d:
+        click.echo(f"  draft  {d['source']}: max |logit diff| vs torch {d['export_check']['max_abs_diff']:.2e}")
+        if "vocab" in d:
+            click.echo(f"  draft  head scores its {d['vocab']['size']} most used tokens "
+                       f"({d['vocab']['coverage']:.1%} of its training tokens)")
+    elif d["kind"] == "self":
+        click.echo(f"  draft  {d['source']}: top-1 agreement with the target "
+                   f"{d['quant']['accuracy']['top1_agreement']:.3f}")
+    elif d["kind"] == "ngram":
+        click.echo(f"  draft  prompt lookup (n-grams {d['ngram']['ngram_min']}..{d['ngram']['ngram_max']})")
+    else:
+        click.echo("  draft  none: the target alone decodes every request")
+    if "prediction" in d:
+        p = d["prediction"]
+        click.echo(f"  draft  predicted {p['speedup']:.2f}x the target alone (acceptance {p['acceptance']:.2f}, "
+                   f"{p['acceptance_from']})")
+    choice = manifest.get("draft_choice")
+    if choice:
+        sample = choice["sample"]
+        click.echo(f"  candidates, greedy with adaptive K on {choice['candidates'][0]['prompts']} bench prompts "
+                   f"({' + '.join(sample['prompt_sets'])}), {sample['new_tokens']} new tokens each:")
+        for m in choice["candidates"]:
+            accepted = "" if m["acceptance_rate"] is None else f"  acceptance {m['acceptance_rate']:.2f}"
+            predicted = "" if m["predicted_speedup"] is None else f"  predicted {m['predicted_speedup']:.2f}x"
+            mark = "*" if m["draft"] == choice["chosen"] else " "
+            click.echo(f"   {mark} {m['draft']:<28} {m['tokens_per_s']:7.1f} tok/s  {m['speedup']:.2f}x{accepted}{predicted}")
+        click.echo(f"  deployed {choice['chosen']}: {choice['reason']}")
+    click.echo(f"  took {manifest['timings_s']['total_s']:.1f} s")
 
 
 def _quant_configs(options: dict) -> tuple[QuantConfig, QuantConfig]:

@@ -30,6 +30,9 @@ THRESHOLDS = {
     "speedup_min": ("speedup", "min"),
     "acceptance_rate_min": ("acceptance_rate", "min"),
 }
+# Thresholds on what a draft adds: a deployment without one (build measured every candidate draft slower than
+# the target alone) has nothing to accept and runs at the target's speed by construction.
+DRAFT_THRESHOLDS = ("speedup_min", "acceptance_rate_min")
 
 
 def summarize(run: TimedRun) -> dict:
@@ -73,11 +76,15 @@ def check_latency(subject: Subject, gate: GateConfig, tick: Tick) -> CheckResult
     }
     measured["speedup"] = spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] > 0 else 0.0
 
-    failures, enforced = [], {}
+    failures, warnings, enforced = [], [], {}
+    alone = subject.reference.drafter is None  # build deployed the target alone (no draft)
     for key, (metric, kind) in THRESHOLDS.items():
         limit = getattr(cfg, key)
         if limit is None:
             continue  # report only
+        if alone and key in DRAFT_THRESHOLDS:
+            warnings.append(f"{key} not applied: the deployment has no draft (build chose the target alone)")
+            continue
         enforced[key] = limit
         value = measured[metric]
         if (kind == "max" and not value <= limit) or (kind == "min" and not value >= limit):
@@ -98,7 +105,7 @@ def check_latency(subject: Subject, gate: GateConfig, tick: Tick) -> CheckResult
         f" ITL p50/p95 {m['itl_ms_p50']:.2f}/{m['itl_ms_p95']:.2f} ms, {m['tokens_per_s']:.1f} tok/s,"
         f" speedup {m['speedup']:.2f}x, acceptance {m['acceptance_rate']:.2f}; {len(enforced)} thresholds enforced"
     )
-    return CheckResult(NAME, "failed" if failures else "passed", summary, failures, [], metrics)
+    return CheckResult(NAME, "failed" if failures else "passed", summary, failures, warnings, metrics)
 
 
 def _pct(values: list[float], q: float) -> float:

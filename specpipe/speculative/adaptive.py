@@ -128,6 +128,13 @@ def best_draft_length(acceptance: float, costs: StepCosts, max_len: int) -> int:
     return max(range(1, max_len + 1), key=lambda k: expected_speedup(k, acceptance, costs))
 
 
+def predicted_speedup(acceptance: float, costs: StepCosts, max_len: int) -> float:
+    """The speedup over the target alone this model predicts for a draft with this per-token acceptance on
+    engines with these costs, drafting its best K. Below 1.0 the draft makes decoding slower.
+    Example: acceptance 0.3, c = 0.12, b = 0.035 -> K = 1, (1 + 0.3) / 1.155 = 1.13x; acceptance 0.1 -> 0.95x."""
+    return expected_speedup(best_draft_length(acceptance, costs, max_len), acceptance, costs)
+
+
 def draft_length_policy(cfg: GenerationConfig, costs: StepCosts) -> DraftLengthPolicy:
     if cfg.draft_length == "fixed":
         return FixedDraftLength(cfg.num_draft_tokens)
