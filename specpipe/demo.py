@@ -117,29 +117,58 @@ def distill_draft(demo: Demo) -> str:
 
 
 def build_engines(demo: Demo) -> str:
-    """Rebuild only when the manifest's target or draft weights differ from what we have now."""
+    """Build with two candidate drafts, the distilled model and prompt lookup, and deploy whichever the
+    build measures fastest on this machine, or the target alone when neither beats it (build's
+    `draft_choice`). Rebuilt only when the target, the draft's weights or the build settings changed."""
     from specpipe.build import SERVED_MODEL, build
     from specpipe.checkpoint import weights_sha256
 
     folder = demo.engines_dir / NAME
     manifest_path = folder / "manifest.json"
-    draft_sha = weights_sha256(demo.draft_path)
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
-        same = (manifest["target"].get("weights_sha256") == demo.target.weights_sha256
-                and manifest["draft"].get("weights_sha256") == draft_sha
-                and manifest["draft"].get("engine", {}).get("quant") == DRAFT_QUANT)
-        if same and (demo.repo_dir / SERVED_MODEL).exists():
-            demo.engine_dir = folder
-            return f"cached {folder} (same target and draft weights)"
     # The draft's precision never changes the output, only how often it is accepted: keep it whatever
     # its accuracy against its fp32 self.
-    cfg = BuildConfig(target=TARGET, draft=str(demo.draft_path), name=NAME, engines_dir=demo.engines_dir,
+    cfg = BuildConfig(target=TARGET, draft=[str(demo.draft_path), "ngram"], name=NAME, engines_dir=demo.engines_dir,
                       repo_dir=demo.repo_dir, force=True,
                       draft_quant=QuantConfig(mode=DRAFT_QUANT, accept_accuracy_loss=True))
+    if manifest_path.is_file() and (demo.repo_dir / SERVED_MODEL).exists():
+        manifest = json.loads(manifest_path.read_text())
+        measured = {c.get("weights_sha256") for c in manifest.get("draft_choice", {}).get("candidates", [])}
+        same_settings = manifest.get("build") == json.loads(cfg.model_dump_json())
+        if (manifest["target"].get("weights_sha256") == demo.target.weights_sha256 and same_settings
+                and weights_sha256(demo.draft_path) in measured):
+            demo.engine_dir = folder
+            demo.results["manifest"] = manifest
+            return f"cached {folder} (same target, draft and settings): {_deployed(manifest)}"
     with demo.console.status("building") as status:
         demo.engine_dir = build(cfg, progress=lambda msg: (status.update(msg), demo.console.log(msg)))
-    return f"built {demo.engine_dir} (draft engine {DRAFT_QUANT}) and {demo.repo_dir}"
+    manifest = json.loads((demo.engine_dir / "manifest.json").read_text())
+    demo.results["manifest"] = manifest
+    _print_choice(demo, manifest)
+    return f"built {demo.engine_dir} and {demo.repo_dir}: {_deployed(manifest)}"
+
+
+def _deployed(manifest: dict) -> str:
+    choice = manifest.get("draft_choice")
+    if not choice:
+        return f"deployed draft: {manifest['draft'].get('kind')}"
+    return f"deployed {choice['chosen']} ({choice['reason']})"
+
+
+def _print_choice(demo: Demo, manifest: dict) -> None:
+    choice = manifest.get("draft_choice")
+    if not choice:
+        return
+    table = Table(title="draft candidates, measured on this machine (greedy, adaptive K)", title_justify="left")
+    for column in ("candidate", "tok/s", "speedup", "acceptance", "= target"):
+        table.add_column(column, justify="left" if column == "candidate" else "right")
+    for candidate in choice["candidates"]:
+        acceptance = candidate.get("acceptance_rate")
+        table.add_row(str(candidate["draft"])[-40:], f"{candidate['tokens_per_s']:.1f}", f"{candidate['speedup']:.2f}x",
+                      "-" if acceptance is None else f"{acceptance:.2f}",
+                      "yes" if candidate.get("matches_target", True) else "NO")
+    demo.console.print(table)
+    for warning in manifest.get("warnings", []):
+        demo.console.print(f"[yellow]warning:[/] {warning}")
 
 
 def generate_samples(demo: Demo) -> str:
