@@ -17,8 +17,9 @@ import re
 import shlex
 import subprocess
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from typing import Optional
+
+from specpipe.manifest import library_versions
 
 CPUINFO = "/proc/cpuinfo"
 
@@ -157,7 +158,7 @@ def describe_machine(threads: Optional[int] = None, cpuinfo_path: str = CPUINFO)
         threads={"in_use": threads if threads is not None else torch_threads, "torch": torch_threads,
                  "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
         os=platform.platform(),
-        versions={"python": platform.python_version(), **_versions()},
+        versions=library_versions(_VERSIONS),
         kernels={
             "torch_cpu_capability": capability,  # honours ATEN_CPU_CAPABILITY
             "numpy_cpu_features": _numpy_dispatch(numpy_features),  # honours NPY_DISABLE_CPU_FEATURES
@@ -207,16 +208,6 @@ def _usable_cpus() -> Optional[int]:
         return os.cpu_count()
 
 
-def _versions() -> dict[str, str]:
-    out = {}
-    for lib in _VERSIONS:
-        try:
-            out[lib] = metadata.version(lib)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
-
-
 def _torch_facts() -> tuple[Optional[int], Optional[str]]:
     try:
         import torch
@@ -226,34 +217,30 @@ def _torch_facts() -> tuple[Optional[int], Optional[str]]:
         return None, None
 
 
-def _numpy_features() -> Optional[dict]:
-    """numpy's run-time CPU feature table (name -> available), after NPY_DISABLE_CPU_FEATURES."""
+def numpy_cpu_tables() -> Optional[tuple[dict, list[str], list[str]]]:
+    """numpy's run-time CPU tables: (feature -> available after NPY_DISABLE_CPU_FEATURES, baseline
+    targets, dispatch targets); None where this numpy does not expose them."""
     try:
-        from numpy._core._multiarray_umath import __cpu_features__
-    except ImportError:
         try:
-            from numpy.core._multiarray_umath import __cpu_features__
-        except Exception:
-            return None
+            from numpy._core import _multiarray_umath as tables  # numpy >= 2
+        except ImportError:
+            from numpy.core import _multiarray_umath as tables
+        return dict(tables.__cpu_features__), list(tables.__cpu_baseline__), list(tables.__cpu_dispatch__)
     except Exception:
         return None
-    return dict(__cpu_features__)
+
+
+def _numpy_features() -> Optional[dict]:
+    tables = numpy_cpu_tables()
+    return tables[0] if tables else None
 
 
 def _numpy_dispatch(features: Optional[dict]) -> Optional[list[str]]:
     """The SIMD targets numpy was built to dispatch to that it will use here."""
-    if features is None:
+    tables = numpy_cpu_tables()
+    if features is None or tables is None:
         return None
-    try:
-        from numpy._core._multiarray_umath import __cpu_baseline__, __cpu_dispatch__
-    except ImportError:
-        try:
-            from numpy.core._multiarray_umath import __cpu_baseline__, __cpu_dispatch__
-        except Exception:
-            return None
-    except Exception:
-        return None
-    return [name for name in (*__cpu_baseline__, *__cpu_dispatch__) if features.get(name)]
+    return [name for name in (*tables[1], *tables[2]) if features.get(name)]
 
 
 def _ort_providers() -> Optional[list[str]]:

@@ -17,9 +17,9 @@ FORMAT = 1
 _LIBRARIES = ["torch", "transformers", "optimum-onnx", "onnx", "onnxruntime", "numpy", "tritonclient", "nvidia-pytriton"]
 
 
-def library_versions() -> dict[str, str]:
+def library_versions(libraries=tuple(_LIBRARIES)) -> dict[str, str]:
     versions = {"python": platform.python_version(), "specpipe": __version__}
-    for lib in _LIBRARIES:
+    for lib in libraries:
         try:
             versions[lib] = metadata.version(lib)
         except metadata.PackageNotFoundError:

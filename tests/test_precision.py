@@ -116,9 +116,9 @@ def forced_avx2_env() -> dict:
     Values from each library's docs: ATEN_CPU_CAPABILITY (default|avx2|avx512), ONEDNN_MAX_CPU_ISA
     (oneDNN "CPU dispatcher control"), NPY_DISABLE_CPU_FEATURES (numpy "CPU/SIMD optimizations":
     dispatch targets named as numpy names them; disabling one this CPU lacks is a no-op)."""
-    from numpy.core._multiarray_umath import __cpu_dispatch__
+    from specpipe.machine import numpy_cpu_tables
 
-    avx512 = [name for name in __cpu_dispatch__ if name.startswith("AVX512")]
+    avx512 = [name for name in numpy_cpu_tables()[2] if name.startswith("AVX512")]
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if avx512:
@@ -142,9 +142,9 @@ def test_the_forced_isa_is_in_effect():
         assert torch.backends.cpu.get_cpu_capability() != ""
         return
     assert torch.backends.cpu.get_cpu_capability() == "AVX2"
-    from numpy.core._multiarray_umath import __cpu_features__
+    from specpipe.machine import numpy_cpu_tables
 
-    assert not any(on for name, on in __cpu_features__.items() if name.startswith("AVX512"))
+    assert not any(on for name, on in numpy_cpu_tables()[0].items() if name.startswith("AVX512"))
 
 
 def test_the_quick_subset_passes_with_avx2_forced():
