@@ -30,9 +30,9 @@ NAME = "smollm2-demo"
 # slower CPU a worse one): target answers and training tokens, sized so a fresh demo ends within 25
 # minutes on a 2-core AVX2-only CPU (fp32 teacher ~50 answer tokens/s, training ~600 tokens/s there;
 # README, "Measured"). The minutes are a cap for a machine slower still.
-DISTILL_ANSWER_TOKENS = 20_000
-DISTILL_TRAIN_TOKENS = 240_000
-DISTILL_MINUTES = 18.0
+DISTILL_ANSWER_TOKENS = 16_000
+DISTILL_TRAIN_TOKENS = 200_000
+DISTILL_MINUTES = 16.0
 PROMPTS = [
     ("code", "Write a Python function that returns the sum of the squares of a list of numbers."),
     ("code", "Write a Python function that checks whether a string is a valid hexadecimal number."),
