@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from specpipe.config import BuildConfig
-from specpipe.engines.onnxruntime import OrtEngine, optimize_for_cpu, write_engine_meta
+from specpipe.engines.onnxruntime import TARGET_MIN_ROWS, OrtEngine, optimize_for_cpu, write_engine_meta
 from specpipe.errors import ExportError, OutputExistsError, UsageError
 from specpipe.export.onnx import check_export, export_onnx
 from specpipe.manifest import file_hashes, library_versions, now_iso, write_manifest
@@ -69,6 +69,8 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         tokenizer.save_pretrained(str(stage / "tokenizer"))
         timings: dict[str, float] = {}
         target_entry = _build_engine(target, stage / "target", cfg, cfg.quant, tokenizer, say, timings, "target")
+        target_entry["min_rows_per_call"] = TARGET_MIN_ROWS
+        target_entry["verify_consistency"] = _measure_verify_consistency(stage / "target", cfg, tokenizer, say, timings)
         if cfg.draft_kind == "ngram":
             draft_entry = {"kind": "ngram", "source": "ngram", "ngram": cfg.ngram.model_dump()}
         elif cfg.draft_kind == "self":
@@ -220,12 +222,39 @@ def _build_self_draft(stage: Path, cfg: BuildConfig, tokenizer, say: Progress, t
     }
 
 
+# Prompts on which the build checks that the target is one function (a code and a prose continuation).
+CONSISTENCY_PROMPTS = ("def fibonacci(n):\n", "The capital of France is")
+
+
+def _measure_verify_consistency(folder: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict) -> dict:
+    """How far the target's logits for a position move between a 1-token decode and a verify call of
+    K+1 = 5 tokens (engines/consistency.py). Twice that must stay within the near-tie tolerance of the
+    target's precision, or greedy speculative output is not guaranteed to equal target-only output: the
+    manifest records it and the gate's greedy check reports it."""
+    from specpipe.engines.consistency import verify_consistency
+    from specpipe.speculative.equivalence import near_tie_tolerance
+
+    t0 = time.perf_counter()
+    say("checking the target scores a position alike alone and inside a verify call")
+    engine = OrtEngine(folder, threads=cfg.threads, min_rows=TARGET_MIN_ROWS)
+    prompts = [tokenizer(prompt)["input_ids"] for prompt in CONSISTENCY_PROMPTS]
+    result = verify_consistency(engine, [ids for ids in prompts if ids], new_tokens=24, chunk=5)
+    tolerance = near_tie_tolerance(cfg.quant.mode)
+    within = 2 * result.max_abs_logit_diff <= tolerance
+    if not within:
+        say(f"warning: the {cfg.quant.mode} target's logits differ by up to {result.max_abs_logit_diff:.3g} between a"
+            f" 1-token decode and a verify call (near-tie tolerance {tolerance:g}): speculative greedy output may"
+            " differ from target-only output")
+    timings["target_consistency_s"] = time.perf_counter() - t0
+    return {**result.as_dict(), "near_tie_tolerance": tolerance, "within_tolerance": within}
+
+
 def _measure_step_costs(stage: Path, cfg: BuildConfig, has_draft_engine: bool):
     """Draft and verification costs relative to a target step, on these engines and this machine: adaptive
     K's inputs (speculative/adaptive.py). Recorded once, so every process serving the build drafts alike."""
     from specpipe.speculative.adaptive import measure_step_costs
 
-    target = OrtEngine(stage / "target", threads=cfg.threads)
+    target = OrtEngine(stage / "target", threads=cfg.threads, min_rows=TARGET_MIN_ROWS)
     draft = OrtEngine(stage / "draft", threads=cfg.threads) if has_draft_engine else None
     return measure_step_costs(target, draft)
 
