@@ -6,9 +6,10 @@ position_ids and past_key_values.{i}.key/value [batch, kv_heads, past_len, head_
 Rollback is a slice of the cached arrays along the sequence axis.
 
 `min_rows`: ONNX Runtime's CPU kernels (MLAS) run a 1-row MatMul or MatMulNBits through other code than a
-multi-row one (a GEMV; for MatMulNBits with int8 activations the `sqnbitgemm_m1_*` kernels), and the two
-round differently: on SmolLM2-135M by up to ~1e-4 in fp32, and on AVX2 an int8-wo model's logits moved by
-0.035. A speculative verify call always has K+1 >= 2 rows, so a target opened with min_rows=2 runs its
+multi-row one (a GEMV; for MatMulNBits with int8 activations, accuracy_level 4, onnxruntime/core/mlas/lib/
+sqnbitgemm_kernel_avx2.cpp dispatches M=1 to its own `sqnbitgemm_m1_*` kernels), and the two round
+differently: SmolLM2-135M's logits moved by up to 7e-5 in fp32 and by 1.4-1.8 as int4-wo / int8-wo on an
+AVX2 CPU (README "Greedy equivalence"). A speculative verify call always has K+1 >= 2 rows, so a target opened with min_rows=2 runs its
 1-token steps as 2-row calls (the token twice; the extra row's logits and cache entries are dropped): every
 call then goes through the same kernels, and a position's logits are the same alone and inside a verify
 call (measured bit-identical, engines/consistency.py; README "Greedy equivalence").
