@@ -6,11 +6,11 @@ position, as the target-only run computed them, are within `tolerance` of each o
 divergence the two outputs are compared no further (they now continue different texts).
 
 Why a tolerance at all: a verify call scores K+1 positions at once and a target-only step scores one, and
-kernels may sum in another order for more rows (MLAS picks its GEMM blocking by M), so the same position's
-logits can differ in the last bits; where the top two are that close, either token is the target's
-"own". The tolerance is twice the largest |decode - verify| logit difference measured for the target's
-precision (`engines/consistency.py`, README "Greedy equivalence"), rounded up by a safety factor; a bug
-in the acceptance rule changes tokens whose margin is far larger, and still fails.
+CPU kernels take other code paths for one row than for several, so the same position's logits can differ
+in the last bits; where the top two are that close, either token is the target's "own". A build runs the
+target's 1-token steps as 2-row calls, which makes the two bit-identical (engines/onnxruntime.py), so
+for such a target no divergence is expected at all; the tolerance covers engines that only promise fp32 rounding
+(older builds, other backends). A bug in the acceptance rule changes tokens whose margin is far larger.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ import numpy as np
 from specpipe.engines.base import Engine
 
 # Largest top-2 logit margin (target-only run) at which a first divergence counts as a near-tie, by the
-# target engine's quantization mode. Measured decode-vs-verify max |logit difference| on this project's
-# CPUs (AVX2 and AVX-512), SmolLM2-135M and the tiny test models, 48-60 greedy tokens:
-#   none (fp32) <= 2e-4; int8-wo / int4-wo (fp32 activations, accuracy_level 1) <= 2e-4;
-#   int8 / fp8 (QDQ, activations quantized per tensor by calibrated scales: row-independent) <= 2e-4.
-# Tolerance = 2 x that x ~5 safety.
-NEAR_TIE_TOLERANCE = {"none": 2e-3, "int8-wo": 2e-3, "int4-wo": 2e-3, "int8": 2e-3, "fp8": 2e-3}
+# target engine's quantization mode. Measured max |decode - verify| logit difference (engines/consistency.py,
+# 2-3 prompts x 32-60 greedy tokens, K+1 = 5, AVX2 EPYC): with 1-token steps run as 2 rows (what builds do)
+# 0.0 for every mode on SmolLM2-135M (fp32, int8-wo, int4-wo) and the tiny test model (also int8 W8A8,
+# fp8), and 0.0 between 1 and 2 threads. Unpadded: fp32 7.3e-5 (SmolLM2) / 4.3e-6 (tiny): 2x that with a
+# ~6x margin gives 1e-3. Unpadded int8-wo / int4-wo (MatMulNBits accuracy_level 4) move logits by up to
+# 1.8 on SmolLM2: no tolerance can call that a near-tie; the build flags such a target (verify_consistency
+# in the manifest) and the gate reports it, instead of widening the rule.
+NEAR_TIE_TOLERANCE = {"none": 1e-3, "int8-wo": 1e-3, "int4-wo": 1e-3, "int8": 1e-3, "fp8": 1e-3}
 
 
 def near_tie_tolerance(quant_mode: str) -> float:
