@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from specpipe.config import BuildConfig, draft_kind
-from specpipe.engines.onnxruntime import OrtEngine, optimize_for_cpu, write_engine_meta
+from specpipe.engines.onnxruntime import TARGET_MIN_ROWS, OrtEngine, optimize_for_cpu, write_engine_meta
 from specpipe.errors import ExportError, OutputExistsError, UsageError
 from specpipe.export.onnx import check_export, export_onnx
 from specpipe.machine import describe_machine
@@ -77,6 +77,8 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         tokenizer.save_pretrained(str(stage / "tokenizer"))
         timings: dict[str, float] = {}
         target_entry = _build_engine(target, stage / "target", cfg, cfg.quant, tokenizer, say, timings, "target")
+        target_entry["verify_consistency"], target_entry["min_rows_per_call"] = _target_min_rows(
+            stage / "target", cfg, tokenizer, say, timings)
 
         def build_draft(spec: str, out: Path, spent: dict) -> dict:
             return _build_draft(spec, kinds[spec], out, stage, cfg, models.get(spec), vocabs.get(spec), target,
@@ -84,12 +86,13 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
 
         choice = None
         if cfg.choosing:
-            draft_entry, costs, choice = _choose_draft(stage, cfg, kinds, build_draft, tokenizer, eos_token_ids, say)
+            draft_entry, costs, choice = _choose_draft(stage, cfg, kinds, build_draft, tokenizer, eos_token_ids, say,
+                                                       target_entry["min_rows_per_call"])
             warnings = _slow_candidates(choice, draft_entry)
         else:
             draft_entry = build_draft(cfg.draft[0], stage, timings)
             say("timing the engines for adaptive K")
-            costs = _measure_step_costs(stage, draft_entry, cfg)
+            costs = _measure_step_costs(stage, draft_entry, cfg, target_entry["min_rows_per_call"])
             warnings = _predict(cfg.draft[0], draft_entry, models.get(cfg.draft[0]), costs, cfg)
         timings["total_s"] = time.perf_counter() - started
         write_manifest(
@@ -142,7 +145,7 @@ def _build_draft(spec: str, kind: str, out: Path, stage: Path, cfg: BuildConfig,
 
 
 def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Callable[[str, Path, dict], dict], tokenizer,
-                  eos_token_ids: list[int], say: Progress):
+                  eos_token_ids: list[int], say: Progress, target_min_rows: int):
     """Build every candidate in stage/candidates/<i>, measure them all against the target alone, and move the
     chosen one's files into the stage; the others are removed with that folder.
     Returns (the chosen draft's manifest entry, its step costs, the manifest's `draft_choice`)."""
@@ -150,7 +153,7 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
     from specpipe.deployment import make_drafter
     from specpipe.speculative.adaptive import measure_step_costs
 
-    target = OrtEngine(stage / "target", threads=cfg.threads)
+    target = OrtEngine(stage / "target", threads=cfg.threads, min_rows=target_min_rows)
     candidates, entries, folders, build_s = [], {}, {}, {}
     for index, spec in enumerate(cfg.draft):
         say(f"candidate {index + 1}/{len(cfg.draft)}: {spec}")
@@ -184,7 +187,7 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
     }
     del candidates, target  # the ONNX Runtime sessions, before their files move
     if chosen == draft_choice.NONE:
-        entry, costs = {"kind": "none", "source": "none"}, _measure_step_costs(stage, {}, cfg)
+        entry, costs = {"kind": "none", "source": "none"}, _measure_step_costs(stage, {}, cfg, target_min_rows)
     else:
         entry = entries[chosen]
         for path in folders[chosen].iterdir():
@@ -358,13 +361,51 @@ def _build_self_draft(spec: str, stage: Path, out: Path, cfg: BuildConfig, token
     }
 
 
-def _measure_step_costs(stage: Path, draft_entry: dict, cfg: BuildConfig):
+# Prompts on which the build checks that the target is one function (a code and a prose continuation).
+CONSISTENCY_PROMPTS = ("def fibonacci(n):\n", "The capital of France is")
+
+
+def _target_min_rows(folder: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict) -> tuple[dict, int]:
+    """Whether the target scores a position alike in a 1-token decode and inside a verify call of K+1 = 5
+    tokens (engines/consistency.py), and the rows per call that make it so, measured on this machine.
+
+    ONNX Runtime's CPU kernels may run a 1-row MatMul/MatMulNBits through other code (engines/onnxruntime.py):
+    on an AVX2 CPU int8/int4 weight-only targets moved logits by up to 1.8 that way, fp32 by 7e-5. Unpadded
+    first; if twice the difference exceeds the near-tie tolerance, 1-token calls run as 2-row calls (~10%
+    slower target-only steps, measured) and are measured again. Returns (manifest record, min_rows)."""
+    from specpipe.engines.consistency import verify_consistency
+    from specpipe.speculative.equivalence import near_tie_tolerance
+
+    t0 = time.perf_counter()
+    say("checking the target scores a position alike alone and inside a verify call")
+    prompts = [ids for ids in (tokenizer(prompt)["input_ids"] for prompt in CONSISTENCY_PROMPTS) if ids]
+    tolerance = near_tie_tolerance(cfg.quant.mode)
+    unpadded = None
+    for min_rows in (1, TARGET_MIN_ROWS):
+        result = verify_consistency(OrtEngine(folder, threads=cfg.threads, min_rows=min_rows), prompts, new_tokens=24,
+                                    chunk=5)
+        within = 2 * result.max_abs_logit_diff <= tolerance
+        if within:
+            break
+        unpadded = unpadded if unpadded is not None else result.max_abs_logit_diff
+    if not within:
+        say(f"warning: the {cfg.quant.mode} target's logits differ by up to {result.max_abs_logit_diff:.3g} between a"
+            f" 1-token decode and a verify call (near-tie tolerance {tolerance:g}): speculative greedy output may"
+            " differ from target-only output")
+    timings["target_consistency_s"] = time.perf_counter() - t0
+    record = {**result.as_dict(), "near_tie_tolerance": tolerance, "within_tolerance": within}
+    if unpadded is not None:
+        record["unpadded_max_abs_logit_diff"] = unpadded
+    return record, min_rows
+
+
+def _measure_step_costs(stage: Path, draft_entry: dict, cfg: BuildConfig, target_min_rows: int = 1):
     """Draft and verification costs relative to a target step, on these engines and this machine: adaptive
     K's inputs (speculative/adaptive.py). Recorded once, so every process serving the build drafts alike.
     A draft without an engine (prompt lookup, none) costs nothing."""
     from specpipe.speculative.adaptive import measure_step_costs
 
-    target = OrtEngine(stage / "target", threads=cfg.threads)
+    target = OrtEngine(stage / "target", threads=cfg.threads, min_rows=target_min_rows)
     engine = draft_entry.get("engine")
     draft = OrtEngine(stage / engine["path"], threads=cfg.threads) if engine else None
     return measure_step_costs(target, draft)

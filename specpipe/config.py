@@ -174,8 +174,10 @@ class GateGreedyConfig(Strict):
 
     enabled: bool = True
     max_new_tokens: int = Field(32, ge=1)
-    near_tie_margin: float = Field(
-        1e-3, ge=0, description="a mismatch where the target's top-2 logit margin is below this is a warning, not a failure"
+    near_tie_margin: Optional[float] = Field(
+        None, ge=0,
+        description="a first mismatch where the target's top-2 logit margin is within this is a warning, not a failure;"
+        " None = the tolerance of the target's precision (speculative/equivalence.py)",
     )
 
 

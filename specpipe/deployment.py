@@ -70,7 +70,9 @@ def load_deployment(folder: str | Path, *, threads: int = 2) -> Deployment:
     folder = Path(folder)
     manifest = read_manifest(folder)
     tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest["tokenizer"]["path"]))
-    target = load_engine(folder / manifest["target"]["engine"]["path"], threads=threads)
+    # Builds record how the target must run for a 1-token step to score like a verify row (engines/onnxruntime.py).
+    target = load_engine(folder / manifest["target"]["engine"]["path"], threads=threads,
+                         min_rows=int(manifest["target"].get("min_rows_per_call", 1)))
     drafter = make_drafter(folder, manifest["draft"], target, threads)
     costs = StepCosts(**manifest["step_costs"]) if "step_costs" in manifest else None  # None: the drafter's defaults
     generator = SpecGenerator(target, drafter, tokenizer, manifest.get("eos_token_ids", ()), costs)

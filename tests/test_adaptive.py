@@ -289,6 +289,7 @@ def test_adaptive_drafting_emits_the_target_distribution(drafter_kind):
 @pytest.mark.parametrize("min_confidence", [0.0, 0.4, 0.9])
 def test_adaptive_greedy_equivalence_on_tiny_onnx_engines(tiny_build, min_confidence):
     from specpipe.deployment import load_deployment
+    from specpipe.testing.greedy import assert_greedy_equivalent
 
     deployment = load_deployment(tiny_build, threads=1)
     for prompt in ["def add(a, b):", "The quick brown fox"]:
@@ -296,7 +297,7 @@ def test_adaptive_greedy_equivalence_on_tiny_onnx_engines(tiny_build, min_confid
         spec = deployment.generator.generate(
             prompt, GenerationConfig(max_new_tokens=40, stop_on_eos=False, min_draft_confidence=min_confidence)
         )
-        assert spec.token_ids == base.token_ids
+        assert_greedy_equivalent(deployment, prompt, spec.token_ids, base.token_ids)
         assert spec.stats.drafted > 0
 
 

@@ -9,6 +9,7 @@ from specpipe.deployment import load_deployment
 from specpipe.errors import UsageError
 from specpipe.speculative import SpecStats, verify as verify_module
 from specpipe.speculative.sampling import shape_probs
+from specpipe.testing.greedy import assert_greedy_equivalent
 from specpipe.triton.serving import ServedModel
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "Héllo wörld 東京"]
@@ -34,9 +35,10 @@ def test_greedy_draft_equal_to_target_accepts_everything(self_pair, k):
     for prompt in PROMPTS:
         spec = greedy(self_pair, prompt, num_draft_tokens=k)
         base = greedy(self_pair, prompt, speculative=False)
-        assert spec.token_ids == base.token_ids
-        assert spec.text == base.text
-        assert spec.stats.acceptance_rate == 1.0
+        divergence = assert_greedy_equivalent(self_pair, prompt, spec.token_ids, base.token_ids)
+        if divergence is None:
+            assert spec.text == base.text
+            assert spec.stats.acceptance_rate == 1.0
         assert base.stats.drafted == 0 and base.stats.mean_accepted_len == 1.0
 
 
@@ -46,9 +48,23 @@ def test_greedy_unrelated_draft_is_still_identical_to_target_only(pair, k):
     for prompt in PROMPTS:
         spec = greedy(pair, prompt, num_draft_tokens=k)
         base = greedy(pair, prompt, speculative=False)
-        assert spec.token_ids == base.token_ids
+        assert_greedy_equivalent(pair, prompt, spec.token_ids, base.token_ids)
         rates.append(spec.stats.acceptance_rate)
     assert np.mean(rates) < 0.5  # an unrelated random draft is rarely right
+
+
+def test_equivalence_rule_catches_a_planted_wrong_greedy_rule(pair, monkeypatch):
+    """Accepting every draft emits the unrelated draft's tokens: the shared rule must call that a real
+    mismatch, not a near-tie."""
+
+    def accept_all(draft_tokens, target_logits):
+        return verify_module.Verdict(len(draft_tokens), int(np.asarray(target_logits)[-1].argmax()))
+
+    monkeypatch.setattr("specpipe.speculative.decoder.verify_greedy", accept_all)
+    spec = greedy(pair, PROMPTS[0], num_draft_tokens=3)
+    base = greedy(pair, PROMPTS[0], speculative=False)
+    with pytest.raises(AssertionError, match="beyond a near-tie"):
+        assert_greedy_equivalent(pair, PROMPTS[0], spec.token_ids, base.token_ids)
 
 
 def test_eos_and_max_tokens_stop(self_pair):

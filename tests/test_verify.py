@@ -74,11 +74,36 @@ class TestShaping:
         assert probs.sum() == pytest.approx(1.0)
 
     def test_top_p_keeps_smallest_set_reaching_mass(self):
+        # Away from the boundaries: .5 + .3 = .8 holds well over .75 and well under .85.
         logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
-        probs = shape_probs(logits, SamplingConfig(temperature=1.0, top_p=0.8))
+        probs = shape_probs(logits, SamplingConfig(temperature=1.0, top_p=0.75))
         np.testing.assert_allclose(probs[0], [0.5 / 0.8, 0.3 / 0.8, 0, 0])
-        probs = shape_probs(logits, SamplingConfig(temperature=1.0, top_p=0.81))
-        assert probs[0, 2] > 0 and probs[0, 3] == 0
+        probs = shape_probs(logits, SamplingConfig(temperature=1.0, top_p=0.85))
+        np.testing.assert_allclose(probs[0], [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0])
+
+    def test_top_p_at_an_exactly_representable_boundary(self):
+        # .5 + .25 == .75 exactly in binary; after log/exp the mass may land a hair on either side of it,
+        # and the set that reaches .75 must still be {.5, .25} (TopPLogitsWarper's rule, within TOP_P_SLACK).
+        logits = np.log(np.array([[0.125, 0.5, 0.25, 0.125]]))
+        probs = shape_probs(logits, SamplingConfig(temperature=1.0, top_p=0.75))
+        np.testing.assert_allclose(probs[0], [0, 2 / 3, 1 / 3, 0])
+        nudged = shape_probs(logits.astype(np.float32), SamplingConfig(temperature=1.0, top_p=0.75))  # float32 logits
+        assert (nudged[0] > 0).tolist() == [False, True, True, False]
+        # Not representable, but the same kind of boundary: .5 + .3 sums to 0.7999999999999999 after exp on
+        # some CPUs (AVX2 numpy), and the two tokens still reach top_p .8.
+        probs = shape_probs(np.log(np.array([[0.5, 0.3, 0.15, 0.05]])), SamplingConfig(temperature=1.0, top_p=0.8))
+        assert (probs[0] > 0).tolist() == [True, True, False, False]
+
+    def test_top_p_agrees_with_transformers_top_p_warper_on_random_logits(self):
+        torch = pytest.importorskip("torch")
+        from transformers.generation.logits_process import TopPLogitsWarper
+
+        rng = np.random.default_rng(0)
+        logits = rng.normal(scale=3.0, size=(200, 64)).astype(np.float32)  # ties have probability zero
+        for top_p in (0.3, 0.7, 0.9, 0.99):
+            ours = shape_probs(logits, SamplingConfig(temperature=1.0, top_p=top_p)) > 0
+            warped = TopPLogitsWarper(top_p)(None, torch.from_numpy(logits.copy()))
+            assert (ours == torch.isfinite(warped).numpy()).all()
 
     def test_top_p_keeps_at_least_one_token(self):
         probs = shape_probs(np.array([[5.0, 0.0, 0.0]]), SamplingConfig(temperature=1.0, top_p=0.01))

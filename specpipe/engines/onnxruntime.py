@@ -4,6 +4,15 @@ The graph is the one optimum exports for `text-generation-with-past`: inputs inp
 position_ids and past_key_values.{i}.key/value [batch, kv_heads, past_len, head_dim]; outputs logits
 [batch, n, vocab] and present.{i}.key/value. One call takes any number of new tokens on top of the cache.
 Rollback is a slice of the cached arrays along the sequence axis.
+
+`min_rows`: ONNX Runtime's CPU kernels (MLAS) run a 1-row MatMul or MatMulNBits through other code than a
+multi-row one (a GEMV; for MatMulNBits with int8 activations, accuracy_level 4, onnxruntime/core/mlas/lib/
+sqnbitgemm_kernel_avx2.cpp dispatches M=1 to its own `sqnbitgemm_m1_*` kernels), and the two round
+differently: SmolLM2-135M's logits moved by up to 7e-5 in fp32 and by 1.4-1.8 as int4-wo / int8-wo on an
+AVX2 CPU (README "Greedy equivalence"). A speculative verify call always has K+1 >= 2 rows, so a target opened with min_rows=2 runs its
+1-token steps as 2-row calls (the token twice; the extra row's logits and cache entries are dropped): every
+call then goes through the same kernels, and a position's logits are the same alone and inside a verify
+call (measured bit-identical, engines/consistency.py; README "Greedy equivalence").
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from specpipe.errors import EngineError
 MODEL_FILE = "model.onnx"
 
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+TARGET_MIN_ROWS = 2  # what `build` records for a target (module docstring); drafts run unpadded
 
 
 def session_options(threads: int, *, optimize: bool = True):
@@ -41,10 +51,11 @@ def session_options(threads: int, *, optimize: bool = True):
 
 
 class OrtEngine(Engine):
-    def __init__(self, folder: str | Path, *, threads: int = 2):
+    def __init__(self, folder: str | Path, *, threads: int = 2, min_rows: int = 1):
         import onnxruntime as ort
 
         self.folder = Path(folder)
+        self.min_rows = min_rows  # rows per session run; shorter calls are padded (module docstring)
         self.meta = read_engine_meta(self.folder)
         model_path = self.folder / MODEL_FILE
         if not model_path.is_file():
@@ -89,15 +100,19 @@ class OrtSequence(EngineSequence):
         past_len, new_len = len(self.tokens), len(token_ids)
         if past_len + new_len > self.engine.max_seq_len:
             raise EngineError(f"sequence of {past_len + new_len} tokens exceeds the engine's {self.engine.max_seq_len}")
+        pad = max(0, min(self.engine.min_rows - new_len, self.engine.max_seq_len - past_len - new_len))
+        rows = token_ids + token_ids[-1:] * pad  # the padding repeats the last token; causal: no row sees it
         feed = {
-            "input_ids": np.asarray([token_ids], dtype=np.int64),
-            "attention_mask": np.ones((1, past_len + new_len), dtype=np.int64),
+            "input_ids": np.asarray([rows], dtype=np.int64),
+            "attention_mask": np.ones((1, past_len + len(rows)), dtype=np.int64),
             **dict(zip(self.engine.past_names, self.kv)),
         }
         if self.engine.uses_position_ids:
-            feed["position_ids"] = np.arange(past_len, past_len + new_len, dtype=np.int64)[None, :]
+            feed["position_ids"] = np.arange(past_len, past_len + len(rows), dtype=np.int64)[None, :]
         logits, *self.kv = self.engine.session.run(self.engine.output_names, feed)
-        return logits[0]  # [new_len, vocab]
+        if pad:
+            self._truncate_cache(past_len + new_len)
+        return logits[0, :new_len]  # [new_len, vocab]
 
     def _truncate_cache(self, length: int) -> None:
         self.kv = [np.ascontiguousarray(x[:, :, :length]) for x in self.kv]

@@ -2,8 +2,12 @@
 
 MatMulNBits is ONNX Runtime's fast CPU path for LLM decoding: the weights stay packed in 4 or 8 bits
 and are dequantized inside the kernel, so a decode step reads ~1/8 (int4) of the fp32 bytes.
-accuracy_level 4 lets the kernel quantize the activations to int8 on the fly and use the VNNI dot
-products.
+accuracy_level 4 lets the kernel quantize the activations to int8 on the fly (per block of each row) and
+use integer dot products (VNNI where the CPU has it, AVX2's vpmaddubsw otherwise). accuracy_level 1 (fp32
+activations) is not a fast path in ONNX Runtime 1.32 on AVX2: SmolLM2 int4-wo ran ~20x and int8-wo ~45x
+slower per token (2026-11-22, loaded machine). Level 4's 1-row kernels round differently from its
+multi-row ones (logits moved by up to 1.8 on SmolLM2); a target therefore runs its 1-token steps as
+2-row calls (engines/onnxruntime.py), which makes decode and verify bit-identical.
 
 Recipes (measured on SmolLM2-135M, see the README's quantization table):
 - the lm_head stays at 8 bits in int4-wo: it is the embedding matrix too (tied), the most sensitive
