@@ -86,6 +86,16 @@ LLM_INPUTS: tuple[TensorSpec, ...] = (
     _in("random_seed", "UINT64"),  # pre-v0.18 name of `seed`
 )
 
+# The request timings and speculation counters both backends return, in the same order and types.
+TIMING_AND_SPECULATION_OUTPUTS: tuple[TensorSpec, ...] = (
+    _out("arrival_time_ns", "INT64"),
+    _out("first_scheduled_time_ns", "INT64"),
+    _out("first_token_time_ns", "INT64"),
+    _out("last_token_time_ns", "INT64"),
+    _out("acceptance_rate", "FP32"),
+    _out("total_accepted_draft_tokens", "INT32"),
+    _out("total_draft_tokens", "INT32"),
+)
 LLM_OUTPUTS: tuple[TensorSpec, ...] = (
     _out("text_output", "STRING", (-1,)),
     _out("cum_log_probs", "FP32", (-1,)),
@@ -97,14 +107,7 @@ LLM_OUTPUTS: tuple[TensorSpec, ...] = (
     _out("kv_cache_alloc_new_blocks", "INT32"),
     _out("kv_cache_reused_blocks", "INT32"),
     _out("kv_cache_alloc_total_blocks", "INT32"),
-    _out("arrival_time_ns", "INT64"),
-    _out("first_scheduled_time_ns", "INT64"),
-    _out("first_token_time_ns", "INT64"),
-    _out("last_token_time_ns", "INT64"),
-    _out("acceptance_rate", "FP32"),
-    _out("total_accepted_draft_tokens", "INT32"),
-    _out("total_draft_tokens", "INT32"),
-)
+) + TIMING_AND_SPECULATION_OUTPUTS
 
 # specpipe's additions. Optional inputs and extra outputs: a TRT-LLM client never notices them.
 EXTENSION_INPUTS: tuple[TensorSpec, ...] = (
@@ -156,14 +159,7 @@ LLMAPI_OUTPUTS: tuple[TensorSpec, ...] = (
     _out("kv_cache_alloc_new_blocks", "INT32", (-1,)),
     _out("kv_cache_alloc_total_blocks", "INT32", (-1,)),
     _out("kv_cache_hit_rate", "FP32", (-1,)),
-    _out("arrival_time_ns", "INT64"),
-    _out("first_scheduled_time_ns", "INT64"),
-    _out("first_token_time_ns", "INT64"),
-    _out("last_token_time_ns", "INT64"),
-    _out("acceptance_rate", "FP32"),
-    _out("total_accepted_draft_tokens", "INT32"),
-    _out("total_draft_tokens", "INT32"),
-)
+) + TIMING_AND_SPECULATION_OUTPUTS
 LLMAPI_SERVED_INPUTS = LLMAPI_INPUTS + EXTENSION_INPUTS
 LLMAPI_SERVED_OUTPUTS = LLMAPI_OUTPUTS + EXTENSION_OUTPUTS
 # llmapi name -> the tensorrt_llm_bls name whose meaning it has (values and checks are then shared)
