@@ -519,6 +519,14 @@ def repository_models(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits,
     return trtllm_repo.trtllm_models(settings)
 
 
+def _plan_limits(plan: Plan, cfg: GpuBuildConfig) -> Limits:
+    """The engine limits a finished plan settled on (max_seq_len may have been derived while planning)."""
+    return Limits(
+        dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, max_input_len=cfg.max_input_len,
+        max_seq_len=int(plan.limits["max_seq_len"]), max_draft_len=cfg.max_draft_len, calib_size=cfg.calib_size,
+    )  # fmt: skip
+
+
 def write_plan_repository(plan: Plan, cfg: GpuBuildConfig) -> list[Path]:
     """Write the repository's own files (config.pbtxt, model.yaml). Upstream model.py files are copied by
     the real build, from the pinned checkout."""
@@ -527,10 +535,7 @@ def write_plan_repository(plan: Plan, cfg: GpuBuildConfig) -> list[Path]:
     if plan.repo_dir is None or cfg.backend != "trtllm":
         return []
     jobs = _jobs_from_plan(plan)
-    limits = Limits(
-        dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, max_input_len=cfg.max_input_len,
-        max_seq_len=int(plan.limits["max_seq_len"]), max_draft_len=cfg.max_draft_len, calib_size=cfg.calib_size,
-    )  # fmt: skip
+    limits = _plan_limits(plan, cfg)
     kv_fraction = _kv_fraction(cfg)
     models = repository_models(cfg, jobs, limits, Path(plan.work_dir), kv_fraction)
     model_yaml = None
@@ -545,10 +550,7 @@ def write_plan_repository(plan: Plan, cfg: GpuBuildConfig) -> list[Path]:
 def write_serve_config(plan: Plan, cfg: GpuBuildConfig) -> Path:
     """trtllm-serve's YAML: the same LLM arguments as model.yaml, less the model (trtllm-serve's argument)."""
     jobs = _jobs_from_plan(plan)
-    limits = Limits(
-        dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, max_input_len=cfg.max_input_len,
-        max_seq_len=int(plan.limits["max_seq_len"]), max_draft_len=cfg.max_draft_len, calib_size=cfg.calib_size,
-    )  # fmt: skip
+    limits = _plan_limits(plan, cfg)
     kv_fraction = _kv_fraction(cfg)
     path = Path(plan.work_dir) / SERVE_CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)
