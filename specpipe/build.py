@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from specpipe.config import BuildConfig, draft_kind
-from specpipe.engines.onnxruntime import TARGET_MIN_ROWS, OrtEngine, optimize_for_cpu, write_engine_meta
+from specpipe.engines.base import load_engine
+from specpipe.engines.onnxruntime import TARGET_MIN_ROWS, optimize_for_cpu, write_engine_meta
+from specpipe.engines.shared_kv import KV_LAYOUT
 from specpipe.errors import ExportError, OutputExistsError, UsageError
+from specpipe.export.genai_builder import builder_available, run_model_builder
 from specpipe.export.onnx import check_export, export_onnx
 from specpipe.machine import describe_machine
 from specpipe.manifest import file_hashes, library_versions, now_iso, write_manifest
-from specpipe.speculative.adaptive import StepCosts
+from specpipe.speculative.adaptive import StepCosts, measure_batch_costs
 
 Progress = Callable[[str], None]
 SERVED_MODEL = "ensemble"  # the model name TensorRT-LLM's Triton clients ask for by default
@@ -94,6 +97,9 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
             say("timing the engines for adaptive K")
             costs = _measure_step_costs(stage, draft_entry, cfg, target_entry["min_rows_per_call"])
             warnings = _predict(cfg.draft[0], draft_entry, models.get(cfg.draft[0]), costs, cfg)
+        say(f"timing batched target steps (up to {cfg.max_batch_size} requests) for load-adaptive K")
+        batch_costs = measure_batch_costs(load_engine(stage / "target", threads=cfg.threads,
+                                                      min_rows=target_entry["min_rows_per_call"]), cfg.max_batch_size)
         timings["total_s"] = time.perf_counter() - started
         write_manifest(
             stage,
@@ -107,6 +113,9 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
                 "eos_token_ids": eos_token_ids,
                 "max_draft_len": cfg.max_draft_len,
                 "step_costs": costs.as_dict(),
+                "batch_costs": batch_costs.as_dict(),
+                "serving": {"max_batch_size": cfg.max_batch_size, "max_queue": cfg.max_queue,
+                            "draft_schedule": cfg.draft_schedule},
                 "machine": describe_machine(cfg.threads).as_dict(),  # where step_costs and timings_s were measured
                 "target": target_entry,
                 "draft": draft_entry,
@@ -153,7 +162,7 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
     from specpipe.deployment import make_drafter
     from specpipe.speculative.adaptive import measure_step_costs
 
-    target = OrtEngine(stage / "target", threads=cfg.threads, min_rows=target_min_rows)
+    target = load_engine(stage / "target", threads=cfg.threads, min_rows=target_min_rows)
     candidates, entries, folders, build_s = [], {}, {}, {}
     for index, spec in enumerate(cfg.draft):
         say(f"candidate {index + 1}/{len(cfg.draft)}: {spec}")
@@ -272,12 +281,18 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
 
     info = inspect_checkpoint(ckpt.path)
     t0 = time.perf_counter()
-    say(f"exporting {role} to ONNX (optimum, {info.num_layers} layers)")
-    with tempfile.TemporaryDirectory(prefix="specpipe-export-") as raw:
-        export_onnx(ckpt.path, Path(raw))
+    graph = target_graph(cfg, info) if role == "target" else "optimum"
+    if graph == "genai":
+        say(f"exporting {role} to ONNX (onnxruntime-genai's model builder: shared KV buffer, {info.num_layers} layers)")
+        run_model_builder(ckpt.path, out, precision="fp32")
         timings[f"{role}_export_s"] = time.perf_counter() - t0
-        say(f"optimizing the {role} graph for ONNX Runtime")
-        optimize_for_cpu(Path(raw) / "model.onnx", out, threads=cfg.threads)
+    else:
+        say(f"exporting {role} to ONNX (optimum, {info.num_layers} layers)")
+        with tempfile.TemporaryDirectory(prefix="specpipe-export-") as raw:
+            export_onnx(ckpt.path, Path(raw))
+            timings[f"{role}_export_s"] = time.perf_counter() - t0
+            say(f"optimizing the {role} graph for ONNX Runtime")
+            optimize_for_cpu(Path(raw) / "model.onnx", out, threads=cfg.threads)
     if vocab is not None:
         from specpipe.quantize.graph import load_model, model_files, save_model, slice_lm_head
 
@@ -300,13 +315,13 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         head_dim=info.head_dim,
         max_seq_len=min(int(info.max_position_embeddings or 2048), 8192),
         quant="none",
-        ort_optimized=True,
+        **({"kv_layout": KV_LAYOUT} if graph == "genai" else {"ort_optimized": True}),
     )
     t1 = time.perf_counter()
     say(f"checking the {role} engine against torch")
     max_abs_diff = check_export(
         load_causal_lm(ckpt.path, allow_pickle=cfg.allow_pickle),
-        OrtEngine(out, threads=cfg.threads),
+        load_engine(out, threads=cfg.threads),
         tolerance=cfg.export_tolerance,
         name=role,
     )
@@ -316,7 +331,7 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         "resolved_path": str(ckpt.path),
         "weights_sha256": ckpt.weights_sha256,
         "checkpoint": info.model_dump(mode="json"),
-        "engine": {"path": out.name, "backend": "onnxruntime", "quant": qcfg.mode, "files": {}},
+        "engine": {"path": out.name, "backend": "onnxruntime", "quant": qcfg.mode, "graph": graph, "files": {}},
         "export_check": {"max_abs_diff": max_abs_diff, "tolerance": cfg.export_tolerance},
     }
     if vocab is not None:
@@ -333,6 +348,27 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         timings[f"{role}_quantize_s"] = time.perf_counter() - t2
     entry["engine"]["files"] = file_hashes(out)
     return entry
+
+
+# Architectures onnxruntime-genai's builder turns into the shared-KV graph that engines/shared_kv.py runs.
+GENAI_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma")
+
+
+def target_graph(cfg: BuildConfig, info) -> str:
+    """Which exporter makes the target: "genai" (batches requests, engines/shared_kv.py) or "optimum".
+    Quantized targets take optimum's graph: specpipe's quantizers and accuracy checks work on that one."""
+    self_draft = any(spec.startswith("self:") for spec in cfg.draft)  # quantized from the target's optimum graph
+    possible = cfg.quant.mode == "none" and info.model_type in GENAI_MODEL_TYPES and not self_draft
+    if cfg.target_graph == "optimum" or (cfg.target_graph == "auto" and not possible):
+        return "optimum"
+    if not possible:
+        raise UsageError(f"--target-graph genai takes an unquantized {'/'.join(GENAI_MODEL_TYPES)} target and no"
+                         f" self: draft (this one: {info.model_type}, quant {cfg.quant.mode})")
+    if not builder_available():
+        if cfg.target_graph == "genai":
+            raise UsageError("--target-graph genai needs onnxruntime-genai (pip install onnxruntime-genai)")
+        return "optimum"
+    return "genai"
 
 
 def _build_self_draft(spec: str, stage: Path, out: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict,
@@ -382,7 +418,7 @@ def _target_min_rows(folder: Path, cfg: BuildConfig, tokenizer, say: Progress, t
     tolerance = near_tie_tolerance(cfg.quant.mode)
     unpadded = None
     for min_rows in (1, TARGET_MIN_ROWS):
-        result = verify_consistency(OrtEngine(folder, threads=cfg.threads, min_rows=min_rows), prompts, new_tokens=24,
+        result = verify_consistency(load_engine(folder, threads=cfg.threads, min_rows=min_rows), prompts, new_tokens=24,
                                     chunk=5)
         within = 2 * result.max_abs_logit_diff <= tolerance
         if within:
@@ -405,9 +441,9 @@ def _measure_step_costs(stage: Path, draft_entry: dict, cfg: BuildConfig, target
     A draft without an engine (prompt lookup, none) costs nothing."""
     from specpipe.speculative.adaptive import measure_step_costs
 
-    target = OrtEngine(stage / "target", threads=cfg.threads, min_rows=target_min_rows)
+    target = load_engine(stage / "target", threads=cfg.threads, min_rows=target_min_rows)
     engine = draft_entry.get("engine")
-    draft = OrtEngine(stage / engine["path"], threads=cfg.threads) if engine else None
+    draft = load_engine(stage / engine["path"], threads=cfg.threads) if engine else None
     return measure_step_costs(target, draft)
 
 

@@ -30,6 +30,11 @@ class SamplingConfig(Strict):
         return self.temperature == 0.0
 
 
+# Requests decoded together, on every backend: 16 concurrent streams is what the load benchmark's top row
+# (and issue 14's target) asks of one CPU deployment.
+DEFAULT_MAX_BATCH_SIZE = 16
+
+
 class GenerationConfig(Strict):
     """One request: sampling, lengths, stopping, speculation."""
 
@@ -85,6 +90,21 @@ class BuildConfig(Strict):
         "draft-vocab.json), else the whole vocabulary",
     )
     triton_instances: int = Field(1, ge=1, description="Triton model instances: requests served in parallel")
+    max_batch_size: int = Field(
+        DEFAULT_MAX_BATCH_SIZE, ge=1, le=256,
+        description="requests decoded together (continuous batching); 1 = one request at a time per instance",
+    )
+    max_queue: int = Field(64, ge=0, description="requests that may wait for a batch slot; beyond that a request is refused at once")
+    draft_schedule: Optional[str] = Field(
+        None,
+        description="batch size -> K table overriding adaptive K under load, e.g. '1:4,4:2,8:1' (up to 1 "
+        "request K=4, up to 4 K=2, up to 8 K=1, more: 0 = no speculation); default: chosen per step by goodput",
+    )
+    target_graph: Literal["auto", "genai", "optimum"] = Field(
+        "auto",
+        description="target ONNX graph: genai = onnxruntime-genai's model builder (GroupQueryAttention, shared KV "
+        "buffer: batches requests); optimum = optimum's export; auto = genai for unquantized Llama-family targets",
+    )
     force: bool = False
     allow_pickle: bool = False
     threads: int = Field(2, ge=1, description="ONNX Runtime intra-op threads")
@@ -107,6 +127,13 @@ class BuildConfig(Strict):
     @classmethod
     def _one_draft_is_a_list_of_one(cls, v):
         return [v] if isinstance(v, str) else v
+
+    @field_validator("draft_schedule")
+    @classmethod
+    def _schedule_parses(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            parse_draft_schedule(v)
+        return v
 
     @field_validator("draft")
     @classmethod
@@ -484,7 +511,7 @@ class GpuBuildConfig(Strict):
     )
     gpu_memory_gb: Optional[float] = Field(None, gt=0, description="memory of one GPU (GB = 1e9 bytes); checks the plan fits")
     max_draft_len: int = Field(8, ge=1, le=64, description="largest K the engines are built for")
-    max_batch_size: int = Field(8, ge=1, description="requests scheduled at once (engines and Triton)")
+    max_batch_size: int = Field(DEFAULT_MAX_BATCH_SIZE, ge=1, description="requests scheduled at once (engines and Triton)")
     max_input_len: int = Field(2048, ge=1, description="longest prompt, tokens")
     max_seq_len: Optional[int] = Field(None, ge=2, description="prompt + output tokens; None = the target's context, at most 8192")
     kv_cache_free_gpu_mem_fraction: Optional[float] = Field(
@@ -503,3 +530,16 @@ class GpuBuildConfig(Strict):
         " None = K below batch 4, halved at 4 and at each doubling after (specpipe.gpu.trtllm.default_draft_len_schedule)",
     )
     dry_run: bool = Field(False, description="print the plan and write the Triton repository; run no GPU step")
+
+
+def parse_draft_schedule(text: str) -> list[tuple[int, int]]:
+    """'1:4,4:2,8:0' -> [(1, 4), (4, 2), (8, 0)]: batch sizes up to the bound draft K (ascending bounds)."""
+    rows = []
+    for part in text.split(","):
+        bound, sep, k = part.strip().partition(":")
+        if not sep or not bound.strip().isdigit() or not k.strip().isdigit():
+            raise ValueError(f"draft schedule {text!r}: write 'batch:K' pairs, e.g. '1:4,4:2,8:0'")
+        rows.append((int(bound), int(k)))
+    if [b for b, _ in rows] != sorted({b for b, _ in rows}) or rows[0][0] < 1:
+        raise ValueError(f"draft schedule {text!r}: batch sizes must be >= 1 and ascending")
+    return rows

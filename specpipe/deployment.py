@@ -6,11 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from specpipe.config import GenerationConfig, NgramConfig
+from specpipe.config import GenerationConfig, NgramConfig, parse_draft_schedule
 from specpipe.engines.base import Engine, load_engine
 from specpipe.errors import EngineError
 from specpipe.manifest import read_manifest
-from specpipe.speculative.adaptive import StepCosts
+from specpipe.speculative.adaptive import BatchCosts, StepCosts
+from specpipe.speculative.batching import BatchScheduler
 from specpipe.speculative.drafters import Drafter, ModelDrafter
 from specpipe.speculative.generator import SpecGenerator
 from specpipe.speculative.ngram import NgramDrafter
@@ -64,7 +65,24 @@ def make_drafter(folder: Path, draft: dict, target: Engine, threads: int) -> Opt
     raise EngineError(f"{folder}: unknown draft kind {kind!r} in manifest")
 
 
-def load_deployment(folder: str | Path, *, threads: int = 2) -> Deployment:
+def make_scheduler(target: Engine, drafter: Optional[Drafter], eos_token_ids, costs: Optional[StepCosts],
+                   manifest: dict) -> BatchScheduler:
+    """The continuous-batching scheduler with the build's limits, schedule and measured batch costs."""
+    serving = manifest.get("serving", {})
+    schedule = serving.get("draft_schedule")
+    return BatchScheduler(
+        target, drafter, eos_token_ids, costs,
+        max_batch_size=int(serving["max_batch_size"]), max_queue=int(serving.get("max_queue", 0)),
+        batch_costs=BatchCosts.from_dict(manifest["batch_costs"]) if "batch_costs" in manifest else None,
+        draft_schedule=parse_draft_schedule(schedule) if schedule else None,
+    )
+
+
+def load_deployment(folder: str | Path, *, threads: int = 2, batching: bool = False,
+                    max_batch_size: Optional[int] = None, max_queue: Optional[int] = None) -> Deployment:
+    """`batching`: requests decode together (speculative/batching.py) up to the build's max_batch_size (or
+    `max_batch_size`, with `max_queue`, when given: the Triton model's parameters); the served model asks for
+    it. Otherwise each generation decodes alone (generate, bench, gate in process)."""
     from transformers import AutoTokenizer
 
     folder = Path(folder)
@@ -75,5 +93,12 @@ def load_deployment(folder: str | Path, *, threads: int = 2) -> Deployment:
                          min_rows=int(manifest["target"].get("min_rows_per_call", 1)))
     drafter = make_drafter(folder, manifest["draft"], target, threads)
     costs = StepCosts(**manifest["step_costs"]) if "step_costs" in manifest else None  # None: the drafter's defaults
-    generator = SpecGenerator(target, drafter, tokenizer, manifest.get("eos_token_ids", ()), costs)
+    eos_token_ids = manifest.get("eos_token_ids", ())
+    serving = {**manifest.get("serving", {}), **({"max_batch_size": max_batch_size} if max_batch_size else {}),
+               **({"max_queue": max_queue} if max_queue is not None and max_queue >= 0 else {})}
+    manifest = {**manifest, "serving": serving}
+    decoder = None
+    if batching and int(serving.get("max_batch_size", 1)) > 1:
+        decoder = make_scheduler(target, drafter, eos_token_ids or (tokenizer.eos_token_id,), costs, manifest)
+    generator = SpecGenerator(target, drafter, tokenizer, eos_token_ids, costs, decoder=decoder)
     return Deployment(folder, manifest, tokenizer, target, drafter, generator)

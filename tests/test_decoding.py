@@ -60,7 +60,7 @@ def test_equivalence_rule_catches_a_planted_wrong_greedy_rule(pair, monkeypatch)
     def accept_all(draft_tokens, target_logits):
         return verify_module.Verdict(len(draft_tokens), int(np.asarray(target_logits)[-1].argmax()))
 
-    monkeypatch.setattr("specpipe.speculative.decoder.verify_greedy", accept_all)
+    monkeypatch.setattr("specpipe.speculative.verify.verify_greedy", accept_all)  # judge() looks it up there
     spec = greedy(pair, PROMPTS[0], num_draft_tokens=3)
     base = greedy(pair, PROMPTS[0], speculative=False)
     with pytest.raises(AssertionError, match="beyond a near-tie"):
@@ -173,6 +173,6 @@ def test_chi_square_catches_a_planted_wrong_rule(pair, monkeypatch):
     def always_accept(draft_tokens, q, p, rng):
         return verify_module.Verdict(len(draft_tokens), verify_module.sample(p[len(draft_tokens)], rng))
 
-    monkeypatch.setattr("specpipe.speculative.decoder.verify_sampled", always_accept)
+    monkeypatch.setattr("specpipe.speculative.verify.verify_sampled", always_accept)
     p_first, p_second, _ = first_and_second_pvalues(pair, SAMPLED)
     assert p_first < 0.001

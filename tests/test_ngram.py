@@ -260,7 +260,7 @@ def test_point_mass_drafts_emit_the_target_distribution(bigram_target):
 
 @pytest.mark.parametrize("wrong_rule", [_point_mass_residual_kept, _always_accept])
 def test_the_distribution_test_catches_a_planted_wrong_rule(bigram_target, monkeypatch, wrong_rule):
-    monkeypatch.setattr("specpipe.speculative.decoder.verify_sampled", wrong_rule)
+    monkeypatch.setattr("specpipe.speculative.verify.verify_sampled", wrong_rule)
     decoder = SpeculativeDecoder(bigram_target, NgramDrafter())
     samples = first_two_tokens(decoder, CONTEXT, SAMPLED, RUNS)
     assert min(_distribution_p_values(samples, bigram_target)) < 1e-3

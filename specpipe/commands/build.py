@@ -59,6 +59,12 @@ _QUANT_MODES = click.Choice(["none", "int8-wo", "int4-wo", "int8", "fp8"])
 @click.option("--no-repo", is_flag=True, help="Do not write the Triton model repository.")
 @click.option("--triton-instances", type=int, default=field_default(BuildConfig, "triton_instances"), show_default=True,
               help=field_help(BuildConfig, "triton_instances"))
+@click.option("--max-queue", type=int, default=field_default(BuildConfig, "max_queue"), show_default=True,
+              help=field_help(BuildConfig, "max_queue"))
+@click.option("--draft-schedule", default=None, metavar="B:K,...", help=field_help(BuildConfig, "draft_schedule"))
+@click.option("--target-graph", type=click.Choice(["auto", "genai", "optimum"]),
+              default=field_default(BuildConfig, "target_graph"), show_default=True,
+              help=field_help(BuildConfig, "target_graph"))
 @click.option("--max-draft-len", type=int, default=field_default(BuildConfig, "max_draft_len"), show_default=True,
               help=field_help(BuildConfig, "max_draft_len"))
 @click.option("--draft-vocab", type=int, default=None, metavar="N", help=field_help(BuildConfig, "draft_vocab"))
@@ -93,6 +99,7 @@ def build(as_json: bool, no_repo: bool, **options) -> None:
         if len(options["draft"]) != 1:
             raise UsageError(f"--backend {backend_of(gpu)} builds one --draft; got {len(options['draft'])}")
         return gpu_build(gpu, {**options, "draft": options["draft"][0]}, as_json=as_json)
+    options["max_batch_size"] = gpu["max_batch_size"]  # one --max-batch-size for every backend
     quant, draft_quant = _quant_configs(options)
     cfg = make_config(BuildConfig, **options, ngram=ngram, choice=choice, quant=quant, draft_quant=draft_quant)
     console = Console(stderr=True)

@@ -68,6 +68,37 @@ class EngineSequence(ABC):
     def _truncate_cache(self, length: int) -> None: ...
 
 
+class EngineBatch:
+    """Sequences of one engine whose one-token steps run together (continuous batching).
+
+    `decode(rows, tokens)` appends one token to each row; rows still run multi-token calls (a prompt, a
+    speculative verify) through their own `append`. This default runs each row on its own; engines whose
+    graph can batch rows (engines/shared_kv.py) override it with one call for all rows.
+    """
+
+    def __init__(self, engine: "Engine", max_rows: int):
+        self.engine, self.max_rows = engine, max_rows
+        self.rows: list[EngineSequence] = []
+
+    def new_sequence(self) -> EngineSequence:
+        if len(self.rows) >= self.max_rows:
+            raise EngineError(f"the batch is full ({self.max_rows} rows)")
+        row = self.engine.new_sequence()
+        self.rows.append(row)
+        return row
+
+    def release(self, row: EngineSequence) -> None:
+        self.rows.remove(row)
+
+    def decode(self, rows: Sequence[EngineSequence], token_ids: Sequence[int]) -> np.ndarray:
+        """Logits [len(rows), vocab] of each row after its token."""
+        if len(rows) != len(token_ids):
+            raise ValueError(f"{len(rows)} rows but {len(token_ids)} tokens")
+        if not rows:
+            return np.zeros((0, self.engine.vocab_size), np.float32)
+        return np.stack([row.append([token])[-1] for row, token in zip(rows, token_ids)])
+
+
 class Engine(ABC):
     """A loaded model. `vocab_size` is the width of its logits.
 
@@ -81,6 +112,9 @@ class Engine(ABC):
 
     @abstractmethod
     def new_sequence(self) -> EngineSequence: ...
+
+    def new_batch(self, max_rows: int) -> EngineBatch:
+        return EngineBatch(self, max_rows)
 
 
 def meta_token_ids(meta: dict) -> Optional[np.ndarray]:
@@ -110,7 +144,12 @@ def load_engine(folder: str | Path, *, threads: int = 2, min_rows: int = 1) -> E
     `min_rows`: run shorter calls padded to this many rows (engines/onnxruntime.py: a target opened with 2
     scores a position alike in a 1-token step and inside a verify call)."""
     folder = Path(folder)
-    backend = read_engine_meta(folder).get("backend", "onnxruntime")
+    meta = read_engine_meta(folder)
+    backend = meta.get("backend", "onnxruntime")
+    if backend == "onnxruntime" and meta.get("kv_layout") == "shared":
+        from specpipe.engines.shared_kv import SharedKVEngine
+
+        return SharedKVEngine(folder, threads=threads, min_rows=min_rows)
     if backend == "onnxruntime":
         from specpipe.engines.onnxruntime import OrtEngine
 

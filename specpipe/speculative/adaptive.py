@@ -160,3 +160,121 @@ def draft_confidence_floor(cfg: GenerationConfig) -> float:
     """The top draft probability under which a model draft stops early; 0 (never stop) when K is fixed,
     so a fixed K drafts exactly K tokens (benchmarks sweep K)."""
     return cfg.min_draft_confidence if cfg.draft_length != "fixed" else 0.0
+
+
+@dataclass(frozen=True)
+class BatchCosts:
+    """What a step costs when several requests decode together (continuous batching), in ms, measured at
+    build on the target engine: `decode_ms[n]` = one batched call that appends one token to each of n rows;
+    `verify_ms` = a lone row's call on 1 + k tokens is decode_ms[1] * (1 + b k), with b = StepCosts's
+    verify_per_token, and a draft step costs decode_ms[1] * c. Sizes between measured ones interpolate,
+    beyond the largest extrapolate from the last two."""
+
+    decode_ms: dict[int, float]
+
+    def decode(self, rows: int) -> float:
+        if rows <= 0:
+            return 0.0
+        sizes = sorted(self.decode_ms)
+        if rows in self.decode_ms:
+            return self.decode_ms[rows]
+        below = [n for n in sizes if n < rows]
+        above = [n for n in sizes if n > rows]
+        lo, hi = (below[-1], above[0]) if below and above else (sizes[-2], sizes[-1]) if len(sizes) > 1 else (sizes[0], sizes[0])
+        if lo == hi:
+            return self.decode_ms[lo] * rows / lo
+        slope = (self.decode_ms[hi] - self.decode_ms[lo]) / (hi - lo)
+        return self.decode_ms[lo] + slope * (rows - lo)
+
+    def as_dict(self) -> dict:
+        return {"decode_ms": {str(n): ms for n, ms in sorted(self.decode_ms.items())}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BatchCosts":
+        return cls({int(n): float(ms) for n, ms in data["decode_ms"].items()})
+
+    @classmethod
+    def unbatched(cls, step_ms: float = 1.0) -> "BatchCosts":
+        """An engine without batched calls: n rows cost n lone steps."""
+        return cls({1: step_ms, 2: 2 * step_ms})
+
+
+def plan_batch_draft_lengths(acceptances: list[float], preferred: list[int], costs: StepCosts,
+                             batch: BatchCosts) -> list[int]:
+    """K for each request of one batched step (0 = no speculation): the choice of maximal goodput.
+
+    A request that decodes joins the one batched call (each added row costs the batch's marginal step); a
+    request that speculates with K runs its own call on 1 + K tokens (engines/shared_kv.py: ONNX Runtime
+    cannot verify several rows' drafts in one call) and drafts K tokens, and emits E(K) = 1 + a + ... + a^K
+    tokens on average. Requests are ranked by how many tokens per ms speculation earns them, and the best j
+    speculate, for the j that maximises (tokens of the step) / (time of the step). At low load this is
+    the single-request rule (speculate when E(K) / cost(K) beats one token per step); under load the
+    batched call makes a decoded token cheaper than a verified one, and speculation turns off request by
+    request. vLLM's and TensorRT-LLM's batch-size -> K tables say the same by hand (`draft_schedule`).
+    Example, decode_ms {1: 30, 16: 90}, c = 0.05, b = 0.04, a = 0.6, K = 3: alone, 2.18 tokens / 39.3 ms beats
+    1 / 30 ms; in a batch of 16, speculating one row adds 39.3 ms for 1.18 more tokens, while the batched
+    call makes 16 tokens in 90 ms: every row decodes."""
+    step_one = batch.decode(1)
+    n = len(acceptances)
+
+    def expected_tokens(a: float, k: int) -> float:
+        return sum(a**i for i in range(k + 1))
+
+    def lone_ms(k: int) -> float:
+        return step_one * (1.0 + (costs.draft + costs.verify_per_token) * k)
+
+    gain = [expected_tokens(a, k) / lone_ms(k) if k > 0 else 0.0 for a, k in zip(acceptances, preferred)]
+    order = sorted(range(n), key=lambda i: -gain[i])
+    best_j, best_rate = 0, n / batch.decode(n) if n else 0.0
+    tokens, spec_ms = 0.0, 0.0
+    for j, i in enumerate(order, start=1):
+        if preferred[i] <= 0:
+            break
+        tokens += expected_tokens(acceptances[i], preferred[i])
+        spec_ms += lone_ms(preferred[i])
+        # The batched call still spans the speculating rows' slots (they carry a dummy token), so it costs
+        # decode(n) while any row decodes.
+        rate = (tokens + n - j) / (spec_ms + (batch.decode(n) if j < n else 0.0))
+        if rate > best_rate:
+            best_j, best_rate = j, rate
+    chosen = set(order[:best_j])
+    return [preferred[i] if i in chosen else 0 for i in range(n)]
+
+
+def scheduled_draft_length(schedule: list[tuple[int, int]], batch_size: int) -> int:
+    """A user's batch-size -> K table (`[(up_to_batch, k), ...]`, ascending; vLLM's
+    num_speculative_tokens_per_batch_size, TensorRT-LLM's draft_len_schedule): K of the first row whose
+    bound covers `batch_size`; 0 beyond the last."""
+    for up_to, k in schedule:
+        if batch_size <= up_to:
+            return k
+    return 0
+
+
+def measure_batch_costs(target, max_rows: int, *, context_len: int = 64, repeats: int = 5) -> BatchCosts:
+    """Time batched one-token steps of the target for 1, 2, 4, ... up to `max_rows` rows, each row holding
+    a `context_len`-token cache (medians of `repeats`). An engine without batched calls is timed too: its
+    rows then cost n lone steps, which the planner reads as "batching saves nothing"."""
+    import statistics
+    import time
+
+    sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_rows} | {max_rows})
+    decode_ms = {}
+    vocab = target.vocab_size
+    context = [(7 * i + 3) % vocab for i in range(context_len)]
+    for n in sizes:
+        batch = target.new_batch(n)
+        rows = [batch.new_sequence() for _ in range(n)]
+        for row in rows:
+            row.append(context)
+        tokens = [11 % vocab] * n
+        batch.decode(rows, tokens)  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            for row in rows:
+                row.truncate(context_len)
+            t0 = time.perf_counter()
+            batch.decode(rows, tokens)
+            seconds.append(time.perf_counter() - t0)
+        decode_ms[n] = statistics.median(seconds) * 1e3
+    return BatchCosts(decode_ms)

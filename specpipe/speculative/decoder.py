@@ -16,9 +16,8 @@ from specpipe.config import GenerationConfig
 from specpipe.engines.base import Engine
 from specpipe.speculative.adaptive import StepCosts, draft_length_policy
 from specpipe.speculative.drafters import Drafter, Proposal
-from specpipe.speculative.sampling import shape_probs
 from specpipe.speculative.stats import SpecStats
-from specpipe.speculative.verify import verify_greedy, verify_sampled
+from specpipe.speculative.verify import judge
 
 
 class SpeculativeDecoder:
@@ -29,8 +28,11 @@ class SpeculativeDecoder:
         self.eos_token_ids = set(int(t) for t in eos_token_ids)
         self.costs = costs or (drafter.default_costs() if drafter is not None else StepCosts(0.0, 0.0))
 
-    def decode(self, prompt_ids: Sequence[int], cfg: GenerationConfig, stats: SpecStats) -> Iterator[list[int]]:
-        """Yield the tokens emitted by each step (1..K+1 of them) until EOS or max_new_tokens."""
+    def decode(self, prompt_ids: Sequence[int], cfg: GenerationConfig, stats: SpecStats,
+               eos_token_ids: Optional[Sequence[int]] = None) -> Iterator[list[int]]:
+        """Yield the tokens emitted by each step (1..K+1 of them) until EOS or max_new_tokens.
+        `eos_token_ids` replaces the decoder's for this request."""
+        eos = self.eos_token_ids if eos_token_ids is None else set(int(t) for t in eos_token_ids)
         if not prompt_ids:
             raise ValueError("prompt_ids must hold at least one token")
         rng = np.random.default_rng(cfg.seed)
@@ -57,18 +59,14 @@ class SpeculativeDecoder:
 
             # 3. Accept each x_i with min(1, p/q); resample the first rejection from norm(max(0, p - q));
             #    if all are accepted, add a bonus token from the target.
-            if cfg.sampling.greedy:
-                verdict = verify_greedy(proposal.tokens, target_logits)
-            else:
-                target_probs = shape_probs(target_logits, cfg.sampling)
-                verdict = verify_sampled(proposal.tokens, proposal.probs, target_probs, rng)
+            verdict = judge(proposal.tokens, proposal.probs, target_logits, cfg.sampling, rng)
             if draft is not None:
                 draft.observe(len(proposal.tokens), verdict.accepted_len)
                 draft_len.observe(len(proposal.tokens), verdict.accepted_len)
 
             emitted = verdict.emitted(proposal.tokens)
             if cfg.stop_on_eos:
-                emitted = self._cut_at_eos(emitted)
+                emitted = _cut_at_eos(emitted, eos)
             emitted = emitted[: cfg.max_new_tokens - produced]
             stats.record(len(proposal.tokens), verdict.accepted_len, len(emitted))
             stats.draft_s += t1 - t0
@@ -76,11 +74,12 @@ class SpeculativeDecoder:
             context += emitted
             produced += len(emitted)
             yield emitted
-            if cfg.stop_on_eos and emitted[-1] in self.eos_token_ids:
+            if cfg.stop_on_eos and emitted[-1] in eos:
                 return
 
-    def _cut_at_eos(self, tokens: list[int]) -> list[int]:
-        for i, token in enumerate(tokens):
-            if token in self.eos_token_ids:
-                return tokens[: i + 1]
-        return tokens
+
+def _cut_at_eos(tokens: list[int], eos_token_ids: set[int]) -> list[int]:
+    for i, token in enumerate(tokens):
+        if token in eos_token_ids:
+            return tokens[: i + 1]
+    return tokens

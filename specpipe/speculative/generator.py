@@ -5,6 +5,7 @@ The same `SpecGenerator` runs in-process (`specpipe generate`) and inside the Tr
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
@@ -106,6 +107,7 @@ class Generation:
         self.prompt_ids, self.cfg = prompt_ids, cfg
         self.stats = SpecStats()
         self._decoder = generator.decoder
+        self._eos = generator.eos_token_ids
         self._detok = IncrementalDetokenizer(generator.tokenizer)
         self.result: Optional[Result] = None
 
@@ -114,7 +116,7 @@ class Generation:
         ttft_ms = 0.0
         text, sent, token_ids, finish = "", 0, [], "length"
         hold = max((len(s) for s in self.cfg.stop), default=1) - 1  # chars that may start a stop string
-        steps = self._decoder.decode(self.prompt_ids, self.cfg, self.stats)
+        steps = self._decoder.decode(self.prompt_ids, self.cfg, self.stats, self._eos)
         for emitted in steps:
             if not token_ids:
                 ttft_ms = (time.perf_counter() - start) * 1e3
@@ -125,7 +127,7 @@ class Generation:
                 text, finish = text[:stop_at], "stop"
                 steps.close()
                 break
-            if self.cfg.stop_on_eos and emitted[-1] in self._decoder.eos_token_ids:
+            if self.cfg.stop_on_eos and emitted[-1] in self._eos:
                 finish = "eos"
             safe = len(text) - hold if finish == "length" and hold else len(text)
             if safe > sent:
@@ -172,11 +174,21 @@ def _find_stop(text: str, stops: list[str], sent: int) -> Optional[int]:
 
 
 class SpecGenerator:
+    """`decoder`: a SpeculativeDecoder (one request at a time, made here by default) or a BatchScheduler
+    (speculative/batching.py: requests decode together); both have `decode()` with one signature."""
+
     def __init__(self, target: Engine, drafter: Optional[Drafter], tokenizer, eos_token_ids: Sequence[int] = (),
-                 costs: Optional[StepCosts] = None):
+                 costs: Optional[StepCosts] = None, *, decoder=None):
         self.tokenizer = tokenizer
         eos = set(eos_token_ids) or ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-        self.decoder = SpeculativeDecoder(target, drafter, eos, costs)
+        self.eos_token_ids = set(int(t) for t in eos)
+        self.decoder = decoder or SpeculativeDecoder(target, drafter, eos, costs)
+
+    def with_eos(self, eos_token_ids: Sequence[int]) -> "SpecGenerator":
+        """The same engines and decoder, with other EOS ids (TensorRT-LLM's per-request end_id)."""
+        other = copy.copy(self)
+        other.eos_token_ids = set(int(t) for t in eos_token_ids)
+        return other
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if not prompt:

@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from specpipe.speculative.sampling import sample
+from specpipe.speculative.sampling import sample, shape_probs
 
 # Test-only switch: SPECPIPE_TEST_PLANTED_BIAS=always-accept plants the classic wrong rule (accept every
 # draft) in verify_sampled, in this process and in a Triton server started from it, so tests can show that
@@ -81,3 +81,11 @@ def verify_sampled(
         return Verdict(i, sample(residual, rng))
     # All K accepted: the bonus token comes from the target's distribution after the last draft.
     return Verdict(len(draft_tokens), sample(p[len(draft_tokens)], rng))
+
+
+def judge(draft_tokens: list[int], q: Optional[np.ndarray], target_logits: np.ndarray, sampling, rng: np.random.Generator) -> Verdict:
+    """One step's verdict under the request's sampling settings (a SamplingConfig): greedy, or speculative
+    sampling on the target's shaped probabilities. target_logits: [K+1, V]."""
+    if sampling.greedy:
+        return verify_greedy(draft_tokens, target_logits)
+    return verify_sampled(draft_tokens, q, shape_probs(target_logits, sampling), rng)

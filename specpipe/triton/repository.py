@@ -41,6 +41,8 @@ class ModelParameters(BaseModel):
     exclude_input_in_output: bool = Field(
         True, description="default when a request does not say: return only the generated text (TensorRT-LLM's key)"
     )
+    max_batch_size: int = Field(0, ge=0, description="requests decoded together; 0 = the build's (manifest serving)")
+    max_queue: int = Field(-1, ge=-1, description="requests that may wait for a slot, then refused; -1 = the build's")
     protocol: Protocol = Field(
         "tensorrtllm_backend",
         description="tensor shapes served: tensorrt_llm_bls's (batch dimension) or the llmapi model's (max_batch_size 0)",

@@ -37,7 +37,11 @@ class ServedModel:
     """Wraps a loaded `specpipe.deployment.Deployment`; `replies()` answers one request."""
 
     def __init__(self, deployment, *, exclude_input_in_output: bool = True, batched: bool = True):
+        from specpipe.speculative.batching import BatchScheduler
+
         self.deployment = deployment
+        # Requests decode together in one scheduler: the Triton model answers each on a thread of its own.
+        self.batching = isinstance(deployment.generator.decoder, BatchScheduler)
         self.exclude_input_in_output = exclude_input_in_output
         self.batched = batched
 
@@ -79,7 +83,7 @@ class ServedModel:
             return deployment.generator
         if end_id >= deployment.target.vocab_size:
             raise UsageError(f"end_id {end_id} is outside the vocabulary (size {deployment.target.vocab_size})")
-        return SpecGenerator(deployment.target, deployment.drafter, deployment.tokenizer, [end_id], deployment.costs)
+        return deployment.generator.with_eos([end_id])
 
     def _generation_config(self, request: ServedRequest):
         fields = dict(request.config)

@@ -4,13 +4,17 @@ A thin adapter. specpipe.triton.serving validates requests and runs specpipe.spe
 same code `specpipe generate` runs in-process; this file only moves tensors in and responses out.
 write_repository() copies it to <repo>/<model>/1/model.py with the engines beside it in 1/engine/, so
 the repository can be moved anywhere. The model is decoupled: one response per speculative step.
-Each instance (a separate stub process) serves one request at a time; Triton queues the rest.
+With continuous batching (the build's max_batch_size > 1), execute() hands each request to a thread of its
+own and returns at once; the threads read their tokens from the one scheduler that decodes all running
+requests together (specpipe/speculative/batching.py), as vLLM's Triton backend does. A build with
+max_batch_size 1 answers one request at a time per instance inside execute(); Triton queues the rest.
 """
 
 import json
 import os
 import site
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -64,7 +68,9 @@ class TritonPythonModel:
         instance_count = sum(group.get("count", 1) for group in config.get("instance_group", [])) or 1
         engine_dir = Path(__file__).parent / params.engine_dir
         try:
-            deployment = load_deployment(engine_dir, threads=params.threads_per_instance(instance_count, os.cpu_count()))
+            deployment = load_deployment(engine_dir, threads=params.threads_per_instance(instance_count, os.cpu_count()),
+                                         batching=True, max_batch_size=params.max_batch_size or None,
+                                         max_queue=params.max_queue)
         except Exception as err:  # one line in Triton's model table and in `specpipe serve`'s error
             raise pb_utils.TritonModelException(f"cannot load {engine_dir}: {type(err).__name__}: {err}") from None
         self.model = ServedModel(
@@ -77,11 +83,15 @@ class TritonPythonModel:
             for name, text in COUNTERS.items()
         }
         self.counters = {name: family.Metric(labels=labels) for name, family in self.metric_families.items()}
+        self.count_lock = threading.Lock()  # answers finish on several threads
 
     def execute(self, requests):
         for request in requests:
-            self._answer(request)
-        return None  # decoupled: every response went through the request's sender
+            if self.model.batching:
+                threading.Thread(target=self._answer, args=(request,), daemon=True).start()
+            else:
+                self._answer(request)
+        return None  # decoupled: every response goes through the request's sender
 
     def _answer(self, request):
         sender = request.get_response_sender()
@@ -106,6 +116,7 @@ class TritonPythonModel:
 
     def _count(self, stats_json):
         stats = json.loads(stats_json.reshape(-1)[0])
-        self.counters["specpipe_requests_total"].increment(1)
-        for counter, field in COUNTED_STATS.items():
-            self.counters[counter].increment(float(stats[field]))
+        with self.count_lock:
+            self.counters["specpipe_requests_total"].increment(1)
+            for counter, field in COUNTED_STATS.items():
+                self.counters[counter].increment(float(stats[field]))

@@ -1,0 +1,191 @@
+"""ONNX Runtime engine for graphs with GroupQueryAttention over a shared KV buffer.
+
+onnxruntime-genai's model builder (export/genai_builder.py) emits this graph for Llama-family models: inputs
+input_ids [batch, n] and attention_mask [batch, total]; past_key_values.{i}.key/value [batch, kv_heads,
+capacity, head_dim] and present.{i}.* bound to the same memory, so a step writes only its new keys and values
+in place. GroupQueryAttention reads each row's length from its mask (seqlens_k = sum(mask) - 1) and applies
+rotary positions itself, so rows of different lengths run in one call, and a rollback is a length change:
+nothing is copied (the concat graph copies the whole cache every step and expands it per query head).
+
+One limit decides the design (ONNX Runtime 1.32, CPU): a call with more than one row AND more than one new
+token per row is refused ("batch_size must be 1 when sequence_length > 1 and past context is given"). So
+`KVBatch.decode` runs one new token for every row in one call (batched decoding), and a row's multi-token
+call (prefill chunk, speculative verify) runs alone on that row's slice of the buffer, in place.
+
+Rows live in slots 0..n-1 of one buffer [max_rows, kv_heads, capacity, head_dim]: a batched call takes the
+first n slots as one contiguous view; releasing a row moves the last row into its slot (one row's copy).
+Writes past a row's length are harmless: no query attends beyond its own position, and the next write there
+overwrites them. That is what lets a batched call carry rows that have nothing to run (a dummy token).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from specpipe.engines.base import ENGINE_META, Engine, EngineBatch, EngineSequence, meta_token_ids, read_engine_meta
+from specpipe.errors import EngineError
+
+MODEL_FILE = "model.onnx"
+KV_LAYOUT = "shared"  # engine.json's `kv_layout` for this graph; absent means the concat graph (onnxruntime.py)
+_MIN_CAPACITY = 256  # tokens; the buffer doubles from here as rows grow
+
+
+def _kv_names(inputs: Sequence[str]) -> tuple[list[str], list[str]]:
+    past = [n for n in inputs if n.startswith("past_key_values.")]
+    past.sort(key=lambda n: (int(n.split(".")[1]), n.endswith(".value")))
+    return past, [n.replace("past_key_values.", "present.") for n in past]
+
+
+class SharedKVEngine(Engine):
+    def __init__(self, folder: str | Path, *, threads: int = 2, min_rows: int = 1):
+        import onnxruntime as ort
+
+        from specpipe.engines.onnxruntime import session_options
+
+        self.folder = Path(folder)
+        self.min_rows = min_rows  # a lone row's shorter calls are padded to this many tokens (onnxruntime.py)
+        self.meta = read_engine_meta(self.folder)
+        model_path = self.folder / MODEL_FILE
+        if not model_path.is_file():
+            raise EngineError(f"{self.folder} has no {MODEL_FILE}")
+        try:
+            self.session = ort.InferenceSession(str(model_path), session_options(threads),
+                                                providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+            raise EngineError(f"cannot load {model_path}: {str(exc).splitlines()[0]}") from None
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        self.past_names, self.present_names = _kv_names(list(inputs))
+        if not self.past_names or "attention_mask" not in inputs or "position_ids" in inputs:
+            raise EngineError(f"{model_path} is not a shared-KV GroupQueryAttention graph (engine.json says "
+                              f"kv_layout {KV_LAYOUT!r})")
+        first = inputs[self.past_names[0]]
+        # The graph names the head dimension symbolically ('kv_cache_dim'); engine.json records it.
+        self.kv_heads, self.head_dim = int(self.meta["num_kv_heads"]), int(self.meta["head_dim"])
+        self.kv_dtype = np.float16 if first.type == "tensor(float16)" else np.float32
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.token_ids = meta_token_ids(self.meta)
+        self.max_seq_len = int(self.meta.get("max_seq_len", 2048))
+
+    def new_sequence(self) -> EngineSequence:
+        """A sequence with a buffer of its own (a one-row batch)."""
+        return KVBatch(self, max_rows=1).new_sequence()
+
+    def new_batch(self, max_rows: int) -> "KVBatch":
+        return KVBatch(self, max_rows)
+
+    def run(self, buffers: list[np.ndarray], input_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """One session call. `buffers`: per KV input, [rows, kv_heads, capacity, head_dim] (written in place);
+        input_ids [rows, n]; lengths [rows]: each row's cached tokens before the call. Returns logits
+        [rows, n, vocab]."""
+        import onnxruntime as ort
+
+        rows, new = input_ids.shape
+        totals = lengths + new
+        mask = (np.arange(int(totals.max()))[None, :] < totals[:, None]).astype(np.int64)  # [rows, total]
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        binding.bind_cpu_input("attention_mask", mask)
+        binding.bind_output("logits")  # first: get_outputs() lists outputs in binding order
+        for past, present, buffer in zip(self.past_names, self.present_names, buffers):
+            value = ort.OrtValue.ortvalue_from_numpy(buffer)  # wraps the memory: no copy
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()
+
+
+class KVBatch(EngineBatch):
+    """Up to `max_rows` sequences in one shared buffer (module docstring)."""
+
+    def __init__(self, engine: SharedKVEngine, max_rows: int):
+        if max_rows < 1:
+            raise ValueError("max_rows must be >= 1")
+        self.engine, self.max_rows = engine, max_rows
+        self.rows: list[SlotSequence] = []  # rows[i] lives in slot i
+        self.capacity = 0
+        self.buffers: list[np.ndarray] = []
+        self._grow(_MIN_CAPACITY)
+
+    def new_sequence(self) -> "SlotSequence":
+        if len(self.rows) >= self.max_rows:
+            raise EngineError(f"the batch is full ({self.max_rows} rows)")
+        row = SlotSequence(self, len(self.rows))
+        self.rows.append(row)
+        return row
+
+    def release(self, row: EngineSequence) -> None:
+        slot = self.rows.index(row)
+        last = self.rows.pop()
+        if last is not row:  # keep slots 0..n-1 contiguous: the last row moves into the freed slot
+            for buffer in self.buffers:
+                buffer[slot, :, : len(last)] = buffer[last.slot, :, : len(last)]
+            last.slot = slot
+            self.rows[slot] = last
+        row.slot = -1
+
+    def decode(self, rows: Sequence[EngineSequence], token_ids: Sequence[int]) -> np.ndarray:
+        """Append one token to each of `rows` in one call. Returns logits [len(rows), vocab]."""
+        if len(rows) != len(token_ids):
+            raise ValueError(f"{len(rows)} rows but {len(token_ids)} tokens")
+        if not rows:
+            return np.zeros((0, self.engine.vocab_size), np.float32)
+        if len(rows) == 1:
+            return rows[0].append([token_ids[0]])
+        if any(row.batch is not self or row.slot < 0 for row in rows):
+            raise EngineError("decode() got a row of another batch")
+        n = 1 + max(row.slot for row in rows)  # slots 0..n-1 run; those not in `rows` carry a dummy token 0
+        ids = np.zeros((n, 1), np.int64)
+        lengths = np.array([len(r) for r in self.rows[:n]], np.int64)
+        for row, token in zip(rows, token_ids):
+            ids[row.slot, 0] = int(token)
+        self._reserve(int(lengths.max()) + 1)
+        logits = self.engine.run([b[:n] for b in self.buffers], ids, lengths)
+        for row, token in zip(rows, token_ids):
+            row.tokens.append(int(token))
+        return logits[[row.slot for row in rows], 0]
+
+    def _reserve(self, length: int) -> None:
+        if length > self.engine.max_seq_len:
+            raise EngineError(f"sequence of {length} tokens exceeds the engine's {self.engine.max_seq_len}")
+        if length > self.capacity:
+            self._grow(max(length, 2 * self.capacity))
+
+    def _grow(self, capacity: int) -> None:
+        capacity = min(capacity, self.engine.max_seq_len)
+        shape = (self.max_rows, self.engine.kv_heads, capacity, self.engine.head_dim)
+        grown = [np.zeros(shape, self.engine.kv_dtype) for _ in self.engine.past_names]
+        for old, new in zip(self.buffers, grown):
+            new[:, :, : self.capacity] = old
+        self.buffers, self.capacity = grown, capacity
+
+
+class SlotSequence(EngineSequence):
+    """One row of a KVBatch: its keys and values live in slot `slot` of the batch's buffer."""
+
+    def __init__(self, batch: KVBatch, slot: int):
+        super().__init__()
+        self.batch, self.slot = batch, slot
+
+    def _forward(self, token_ids: list[int]) -> np.ndarray:
+        if self.slot < 0:
+            raise EngineError("this row was released")
+        batch, past_len, new_len = self.batch, len(self.tokens), len(token_ids)
+        # Padding repeats the last token; it is written past the row's end, where nothing reads it.
+        pad = max(0, min(batch.engine.min_rows - new_len, batch.engine.max_seq_len - past_len - new_len))
+        batch._reserve(past_len + new_len + pad)
+        views = [b[self.slot : self.slot + 1] for b in batch.buffers]  # contiguous: slot is the outer axis
+        logits = batch.engine.run(views, np.asarray([token_ids + token_ids[-1:] * pad]), np.array([past_len]))
+        return logits[0, :new_len]
+
+    def _truncate_cache(self, length: int) -> None:
+        pass  # the buffer keeps stale entries past `length`; the next write overwrites them
+
+
+def is_shared_kv(folder: Path) -> bool:
+    return read_engine_meta(folder).get("kv_layout") == KV_LAYOUT
+
+
+__all__ = ["ENGINE_META", "KVBatch", "SharedKVEngine", "SlotSequence", "is_shared_kv"]

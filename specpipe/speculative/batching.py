@@ -1,0 +1,246 @@
+"""Continuous batching with speculative decoding: many requests share the target, each speculates or not.
+
+`BatchScheduler.decode()` has the signature of `SpeculativeDecoder.decode()` (token ids in, the tokens of
+each step out), so `SpecGenerator`, the Triton model and the benchmarks use either. Requests join the
+running batch at any step and leave when done; one thread runs the steps. Each step:
+
+  0. admit waiting requests while there is room, and prefill their prompts in chunks (`prefill_chunk`
+     tokens a step in all), so a long prompt delays running requests by one chunk, not by its whole length;
+  1. choose K per request (0 = no speculation): the request's own adaptive K (adaptive.py), then
+     `plan_batch_draft_lengths` for the batch (or the user's batch-size -> K table);
+  2. draft: each speculating request's drafter proposes up to K tokens x_1..x_K with their q;
+  3. verify: requests without drafts append their last token in ONE batched target call; each request
+     with drafts runs its own call on [last token, x_1..x_K] (engines/shared_kv.py says why);
+  4. accept each x_i with min(1, p/q), resample the first rejection from norm(max(0, p - q)), or add the
+     bonus token (verify.py, as in decoder.py), roll the request's cache back to what it accepted, and
+     hand the emitted tokens to its reader.
+
+Each request keeps its own random generator, sampling settings, stop conditions and statistics, and its
+tokens are the ones the single-request decoder would produce: a row's logits do not depend on the other
+rows in the call (greedy equivalence, tests/test_batching.py).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from specpipe.config import GenerationConfig
+from specpipe.engines.base import Engine, EngineSequence
+from specpipe.errors import SpecpipeError, UsageError
+from specpipe.speculative.adaptive import (
+    BatchCosts,
+    DraftLengthPolicy,
+    StepCosts,
+    draft_length_policy,
+    plan_batch_draft_lengths,
+    scheduled_draft_length,
+)
+from specpipe.speculative.drafters import DraftSession, Drafter, Proposal
+from specpipe.speculative.stats import SpecStats
+from specpipe.speculative.decoder import _cut_at_eos
+from specpipe.speculative.verify import judge
+
+_DONE = object()  # end of a request's token stream
+
+
+class ServerBusyError(UsageError):
+    """The batch and its queue are full: the request is refused at once rather than left to wait."""
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    cfg: GenerationConfig
+    stats: SpecStats
+    eos_token_ids: set[int]
+    out: "queue.Queue" = field(default_factory=queue.Queue)
+    context: list[int] = field(default_factory=list)
+    produced: int = 0
+    row: Optional[EngineSequence] = None
+    draft: Optional[DraftSession] = None
+    draft_len: Optional[DraftLengthPolicy] = None
+    rng: Optional[np.random.Generator] = None
+    cancelled: bool = False
+
+    @property
+    def prefilled(self) -> bool:  # the cache holds context[:-1]; the last token is fed by the next step
+        return self.row is not None and len(self.row) >= len(self.context) - 1
+
+
+class BatchScheduler:
+    def __init__(self, target: Engine, drafter: Optional[Drafter], eos_token_ids: Sequence[int] = (),
+                 costs: Optional[StepCosts] = None, *, max_batch_size: int = 8, max_queue: int = 64,
+                 batch_costs: Optional[BatchCosts] = None, draft_schedule: Optional[list[tuple[int, int]]] = None,
+                 prefill_chunk: int = 256):
+        self.target, self.drafter = target, drafter
+        self.eos_token_ids = set(int(t) for t in eos_token_ids)
+        self.costs = costs or (drafter.default_costs() if drafter is not None else StepCosts(0.0, 0.0))
+        self.batch_costs = batch_costs or BatchCosts.unbatched()
+        self.draft_schedule = draft_schedule
+        self.max_batch_size, self.max_queue, self.prefill_chunk = max_batch_size, max_queue, prefill_chunk
+        self.batch = target.new_batch(max_batch_size)
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.steps_run = 0
+        self._wake = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+
+    # ---- the reader's side -------------------------------------------------------------------------
+
+    def decode(self, prompt_ids: Sequence[int], cfg: GenerationConfig, stats: SpecStats,
+               eos_token_ids: Optional[Sequence[int]] = None) -> Iterator[list[int]]:
+        """Queue a request; iterate for the tokens of each step. Closing the iterator cancels the request."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids must hold at least one token")
+        eos = self.eos_token_ids if eos_token_ids is None else set(int(t) for t in eos_token_ids)
+        request = _Request(list(prompt_ids), cfg, stats, eos)
+        with self._wake:
+            in_flight = len(self.waiting) + len(self.running)
+            if in_flight >= self.max_batch_size + self.max_queue:
+                raise ServerBusyError(f"server busy: {len(self.running)} requests running and {len(self.waiting)} "
+                                      f"queued (max_batch_size {self.max_batch_size}, max_queue {self.max_queue})")
+            self.waiting.append(request)
+            self._start()
+            self._wake.notify()
+        return self._stream(request)
+
+    def _stream(self, request: _Request) -> Iterator[list[int]]:
+        try:
+            while True:
+                item = request.out.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            request.cancelled = True  # a reader that stops early (stop string, client gone) frees the row
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="specpipe-batch", daemon=True)
+            self._thread.start()
+
+    # ---- the scheduler's side ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self.waiting and not self.running:
+                    self._wake.wait()
+                self._admit()
+            try:
+                self.step()
+            except Exception as err:  # fail every running request, keep serving new ones
+                for request in list(self.running):
+                    request.out.put(err if isinstance(err, SpecpipeError) else RuntimeError(f"{type(err).__name__}: {err}"))
+                    self._finish(request, done=False)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch_size:
+            request = self.waiting.popleft()
+            if request.cancelled:
+                continue
+            request.context = list(request.prompt_ids)
+            request.rng = np.random.default_rng(request.cfg.seed)
+            request.row = self.batch.new_sequence()
+            speculating = request.cfg.speculative and self.drafter is not None
+            request.draft = self.drafter.new_request(request.cfg) if speculating else None
+            request.draft_len = draft_length_policy(request.cfg, self.costs)
+            self.running.append(request)
+
+    def step(self) -> None:
+        """One scheduling step over the running requests (module docstring, phases 0-4)."""
+        for request in [r for r in self.running if r.cancelled]:
+            self._finish(request)
+        self._prefill()
+        ready = [r for r in self.running if r.prefilled]
+        if not ready:
+            return
+        self.steps_run += 1
+
+        # 1. How many tokens each request drafts.
+        ks = self._draft_lengths(ready)
+
+        # 2. Draft.
+        t0 = time.perf_counter()
+        proposals = [r.draft.propose(r.context, k, r.cfg.sampling, r.rng) if k > 0 else Proposal.empty()
+                     for r, k in zip(ready, ks)]
+        t1 = time.perf_counter()
+
+        # 3. Verify: one batched call for the requests without drafts, one call each for the others.
+        decoding = [i for i, p in enumerate(proposals) if not p.tokens]
+        target_logits: list[Optional[np.ndarray]] = [None] * len(ready)
+        if decoding:
+            logits = self.batch.decode([ready[i].row for i in decoding], [ready[i].context[-1] for i in decoding])
+            for j, i in enumerate(decoding):
+                target_logits[i] = logits[j : j + 1]  # [1, vocab]
+        for i, proposal in enumerate(proposals):
+            if proposal.tokens:
+                target_logits[i] = ready[i].row.append([ready[i].context[-1], *proposal.tokens])  # [K+1, vocab]
+        t2 = time.perf_counter()
+
+        # 4. Accept or resample; emit; roll each cache back to its accepted tokens.
+        for request, proposal, logits in zip(ready, proposals, target_logits):
+            verdict = judge(proposal.tokens, proposal.probs, logits, request.cfg.sampling, request.rng)
+            if request.draft is not None:
+                request.draft.observe(len(proposal.tokens), verdict.accepted_len)
+                request.draft_len.observe(len(proposal.tokens), verdict.accepted_len)
+            emitted = verdict.emitted(proposal.tokens)
+            if request.cfg.stop_on_eos:
+                emitted = _cut_at_eos(emitted, request.eos_token_ids)
+            emitted = emitted[: request.cfg.max_new_tokens - request.produced]
+            request.stats.record(len(proposal.tokens), verdict.accepted_len, len(emitted))
+            request.stats.draft_s += t1 - t0
+            request.stats.target_s += t2 - t1
+            request.row.truncate(len(request.context) + verdict.accepted_len)  # the new context minus its last token
+            request.context += emitted
+            request.produced += len(emitted)
+            request.out.put(emitted)
+            ended = request.produced >= request.cfg.max_new_tokens or self._room(request) < 0
+            if ended or (request.cfg.stop_on_eos and emitted[-1] in request.eos_token_ids):
+                self._finish(request)
+
+    def _prefill(self) -> None:
+        """Feed waiting prompts' tokens (all but the last) into their rows, `prefill_chunk` tokens a step."""
+        budget = self.prefill_chunk
+        for request in self.running:
+            if budget <= 0:
+                break
+            missing = len(request.context) - 1 - len(request.row)
+            if missing > 0:
+                take = min(missing, budget)
+                request.row.append(request.context[len(request.row) : len(request.row) + take])
+                budget -= take
+
+    def _draft_lengths(self, ready: list[_Request]) -> list[int]:
+        preferred = []
+        for request in ready:
+            k = request.draft_len.k if request.draft is not None else 0
+            preferred.append(max(0, min(k, self._room(request))))
+        if self.draft_schedule is not None:
+            k = scheduled_draft_length(self.draft_schedule, len(ready))
+            return [min(k, p) if r.draft is not None else 0 for r, p in zip(ready, preferred)]
+        fixed = [r.cfg.draft_length == "fixed" for r in ready]
+        acceptances = [getattr(r.draft_len, "acceptance", 0.5) for r in ready]
+        planned = plan_batch_draft_lengths(acceptances, preferred, self.costs, self.batch_costs)
+        # A request that asked for a fixed K gets it (benchmarks sweep K); the plan decides for the rest.
+        return [p if f else k for p, f, k in zip(preferred, fixed, planned)]
+
+    def _room(self, request: _Request) -> int:
+        """Tokens that may still be drafted: the step also adds one target token, within both limits."""
+        return min(request.cfg.max_new_tokens - request.produced, self.target.max_seq_len - len(request.context)) - 1
+
+    def _finish(self, request: _Request, done: bool = True) -> None:
+        if request in self.running:
+            self.running.remove(request)
+            self.batch.release(request.row)
+        if done:
+            request.out.put(_DONE)
