@@ -23,22 +23,12 @@ ROBUSTNESS = "robustness"
 
 def check_reachable(url: str, model_name: str, timeout_s: float = 3.0) -> None:
     """Fail fast (GateError, exit 2) when nothing answers at `url` or the model is not ready."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
+    from specpipe.triton.client import check_ready
 
     try:
-        client = grpcclient.InferenceServerClient(url)
-    except Exception as exc:  # a malformed address
-        raise GateError(f"--url {url!r}: {exc}") from None
-    try:
-        if not client.is_server_live(client_timeout=timeout_s):
-            raise GateError(f"the Triton server at {url} is not live")
-        if not client.is_model_ready(model_name, client_timeout=timeout_s):
-            raise GateError(f"the Triton server at {url} has no ready model {model_name!r} (see --model)")
-    except InferenceServerException as exc:
-        raise GateError(f"cannot reach a Triton server at {url} within {timeout_s:g} s: {exc.message()}") from None
-    finally:
-        client.close()
+        check_ready(url, model_name, timeout_s)
+    except ServerError as err:
+        raise GateError(str(err)) from None
 
 
 def served_engine_dir(repo: Path, model_name: str) -> Path:
@@ -153,9 +143,7 @@ def check_robustness(subject: Optional[ServerSubject], gate: GateConfig, tick: T
 
     failures, refused = [], {}
     for name, tensors in bad_requests(subject.reference).items():
-        generation = RemoteGeneration(subject.url, "", GenerationConfig(), stream=False, chat=False,
-                                      model_name=subject.model_name, timeout_s=60.0)
-        generation.tensors = tensors
+        generation = RemoteGeneration(subject.url, tensors, model_name=subject.model_name, timeout_s=60.0)
         try:
             for _ in generation:
                 pass
