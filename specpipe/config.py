@@ -232,7 +232,7 @@ class GateLatencyConfig(Strict):
     """Latency and speed SLOs. Each threshold left out (None) is reported, not enforced."""
 
     enabled: bool = True
-    concurrency: int = Field(2, ge=1, description="requests in flight at once")
+    concurrency: int = Field(2, ge=1, description="users in flight at once: the concurrency the SLO holds at")
     requests: int = Field(8, ge=1, description="measured requests per configuration (speculative, target-only)")
     warmup_requests: int = Field(2, ge=0, description="requests run first and not measured")
     max_new_tokens: int = Field(64, ge=2)
@@ -243,6 +243,13 @@ class GateLatencyConfig(Strict):
     tokens_per_s_min: Optional[float] = Field(None, gt=0.0)
     speedup_min: Optional[float] = Field(None, gt=0.0)
     acceptance_rate_min: Optional[float] = Field(None, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _every_user_sends(self) -> "GateLatencyConfig":
+        # Through a server the runs are specpipe.bench.load levels: fewer requests than users is a lower concurrency.
+        if self.requests < self.concurrency:
+            raise ValueError(f"requests {self.requests} < concurrency {self.concurrency}: the SLO would be measured at a lower load")
+        return self
 
 
 class GateRobustnessConfig(Strict):
