@@ -17,26 +17,25 @@ def print_table(report: dict, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title="loadtest: closed-loop streaming users (TTFT in s, ITL in ms, RSS of tritonserver + stubs)",
-                  title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
-    table.add_column("run", no_wrap=True)
-    # Short headers so the table fits 100 columns; the JSON has the full names.
-    for column in ("users", "reqs", "errors", "tok/s", "req tok/s", "TTFT p50", "TTFT p95", "ITL p50", "ITL p95",
-                   "RSS MB", "RSS +%"):
-        table.add_column(column, justify="right")
+    table = Table(title="loadtest: closed-loop streaming users", title_justify="left", box=box.SIMPLE_HEAD,
+                  padding=0, pad_edge=False)  # the box's column separator is the gap
+    table.add_column("run", overflow="fold", min_width=12)
+    # Two-line headers (a p95 column follows its p50) so the table fits 80 columns; the JSON has the full names.
+    for column in ("users", "errors", "tok/s\nall", "tok/s\nreq p50", "TTFT s\np50", "\np95", "ITL ms\np50", "\np95",
+                   "RSS MB\nmax", "\n+%"):
+        table.add_column(column, justify="right", no_wrap=True)
     for number, run in enumerate(report["runs"]):
         if number:
             table.add_section()
-        for level in run["levels"]:
+        for row, level in enumerate(run["levels"]):
             rss = level["rss_mb"] or {}
-            errors = str(level["errors"])
+            errors = f"{level['errors']}/{level['requests']}"
             table.add_row(
-                run["label"], str(level["concurrency"]), str(level["requests"]),
-                f"[red]{errors}[/]" if level["errors"] else errors,
+                "" if row else run["label"], str(level["concurrency"]), f"[red]{errors}[/]" if level["errors"] else errors,
                 _fmt(level["tokens_per_s"], ".1f"), _fmt(level["request_tokens_per_s_p50"], ".1f"),
                 _fmt(level["ttft_ms_p50"], ".2f", 1e-3), _fmt(level["ttft_ms_p95"], ".2f", 1e-3),
-                _fmt(level["itl_ms_p50"], ".1f"), _fmt(level["itl_ms_p95"], ".1f"),
-                _fmt(rss.get("max"), ".0f"), _fmt(rss.get("growth_pct"), "+.1f"),
+                _fmt(level["itl_ms_p50"], ".0f"), _fmt(level["itl_ms_p95"], ".0f"),
+                _fmt(rss.get("max"), ".0f"), _fmt(rss.get("growth_pct"), "+.1f") + ("%" if rss.get("growth_pct") is not None else ""),
             )
     console.print(table)
     for run in report["runs"]:
@@ -56,9 +55,10 @@ def plot(report: dict, path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import NullLocator
 
     fig, (ax_tokens, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
+    levels_run = sorted({level["concurrency"] for run in report["runs"] for level in run["levels"]})
     for run in report["runs"]:
         levels = run["levels"]
         users = [level["concurrency"] for level in levels]
@@ -68,8 +68,9 @@ def plot(report: dict, path: Path) -> Path:
                   ylim=(0, None))
     ax_ttft.set(xlabel="concurrent users", ylabel="seconds", title="Time to first token, p95", ylim=(0, None))
     for ax in (ax_tokens, ax_ttft):
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_xscale("log", base=2)  # levels double: equal steps
+        ax.set_xticks(levels_run, [str(users) for users in levels_run])
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("specpipe loadtest (closed-loop streaming users)")
