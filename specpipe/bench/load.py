@@ -86,7 +86,6 @@ def run_level(url: str, model_name: str, make_request: RequestMaker, concurrency
 
     next_index, lock = iter(range(requests)), threading.Lock()
     records: list[RequestRecord] = []
-    started = time.perf_counter()
 
     def user(stream: int) -> None:
         client = grpcclient.InferenceServerClient(url)
@@ -97,9 +96,9 @@ def run_level(url: str, model_name: str, make_request: RequestMaker, concurrency
                 if index is None:
                     return
                 record = RequestRecord(index, stream, (time.perf_counter() - started) * 1e3)
-                generation = RemoteGeneration(url, make_request(index), model_name=model_name, timeout_s=timeout_s,
-                                              client=client)
                 try:
+                    generation = RemoteGeneration(url, make_request(index), model_name=model_name,
+                                                  timeout_s=timeout_s, client=client)
                     for _ in generation:
                         pass
                     result = generation.result
@@ -117,6 +116,7 @@ def run_level(url: str, model_name: str, make_request: RequestMaker, concurrency
     with _memory_sampler(server_pid, rss_interval_s) as rss:
         users = [threading.Thread(target=user, args=(n,), name=f"loadtest-user-{n}", daemon=True)
                  for n in range(min(concurrency, requests))]
+        started = time.perf_counter()
         for thread in users:
             thread.start()
         for thread in users:
