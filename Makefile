@@ -9,7 +9,7 @@ export PIP_ROOT_USER_ACTION := ignore
 # Fixed thread count so timings are comparable (2 cores here).
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install test test-fast demo bench clean distclean
+.PHONY: install test test-fast demo bench loadtest clean distclean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ demo: install
 
 bench: install
 	$(VENV)/bin/specpipe bench engines/smollm2-demo --prompts-set code --prompts-set chat --json-out reports/bench.json --plot reports/bench.png
+
+# Load on the demo's Triton repository (built by `make demo`); LOADTEST_LABEL names its row, so runs of
+# several deployments can be merged: specpipe loadtest --compare a.json --compare b.json --plot both.png
+LOADTEST_LABEL ?= demo
+loadtest: install
+	$(VENV)/bin/specpipe loadtest triton_repo --label $(LOADTEST_LABEL) --json-out reports/loadtest-$(LOADTEST_LABEL).json --plot reports/loadtest-$(LOADTEST_LABEL).png
 
 clean:
 	rm -rf engines/*/ triton_repo/*/ reports/ .pytest_cache

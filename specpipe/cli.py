@@ -30,6 +30,7 @@ from specpipe.commands.serve import serve; cli.add_command(serve)  # noqa: E402,
 from specpipe.commands.validate import validate; cli.add_command(validate)  # noqa: E402,E702
 from specpipe.commands.distill import distill; cli.add_command(distill)  # noqa: E402,E702
 from specpipe.commands.bench import bench; cli.add_command(bench)  # noqa: E402,E702
+from specpipe.commands.loadtest import loadtest; cli.add_command(loadtest)  # noqa: E402,E702
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -259,7 +259,7 @@ class GateLatencyConfig(Strict):
     """Latency and speed SLOs. Each threshold left out (None) is reported, not enforced."""
 
     enabled: bool = True
-    concurrency: int = Field(2, ge=1, description="requests in flight at once")
+    concurrency: int = Field(2, ge=1, description="users in flight at once: the concurrency the SLO holds at")
     requests: int = Field(8, ge=1, description="measured requests per configuration (speculative, target-only)")
     warmup_requests: int = Field(2, ge=0, description="requests run first and not measured")
     max_new_tokens: int = Field(64, ge=2)
@@ -270,6 +270,13 @@ class GateLatencyConfig(Strict):
     tokens_per_s_min: Optional[float] = Field(None, gt=0.0)
     speedup_min: Optional[float] = Field(None, gt=0.0)
     acceptance_rate_min: Optional[float] = Field(None, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _every_user_sends(self) -> "GateLatencyConfig":
+        # Through a server the runs are specpipe.bench.load levels: fewer requests than users is a lower concurrency.
+        if self.requests < self.concurrency:
+            raise ValueError(f"requests {self.requests} < concurrency {self.concurrency}: the SLO would be measured at a lower load")
+        return self
 
 
 class GateRobustnessConfig(Strict):
@@ -377,6 +384,42 @@ class BenchConfig(Strict):
         if any(k < 1 for k in v):
             raise ValueError(f"K must be >= 1, got {sorted(v)}")
         return sorted(set(v))
+
+
+class LoadConfig(Strict):
+    """`specpipe loadtest`: closed-loop streaming users against a Triton server, one level per concurrency.
+
+    Requests carry tensorrtllm_backend's tensor names only, so the server decodes with its deployment's own
+    settings (greedy, its draft length) unless num_draft_tokens is given."""
+
+    concurrency: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16], min_length=1,
+                                   description="users (streams in flight) per level")
+    requests: int = Field(32, ge=1, description="measured requests per level")
+    warmup_requests: int = Field(2, ge=0, description="requests sent first, one at a time, and not measured")
+    max_tokens: int = Field(64, ge=1, description="new tokens per request")
+    prompt_set: BenchPromptSet = Field("code", description="packaged prompt set the requests cycle through")
+    prompts: Optional[Path] = Field(None, description='JSONL prompt file ({"prompt": ...} per line) instead of the set')
+    num_draft_tokens: Optional[int] = Field(
+        None, ge=0, description="K sent with every request (0 = target only); default: the deployment's own"
+    )
+    ignore_eos: bool = Field(True, description="generate max_tokens even past EOS (TensorRT-LLM's end_id -1): "
+                                               "every row does the same work")
+    request_timeout_s: float = Field(600.0, gt=0, description="longest wait for the next response of a request")
+    rss_interval_s: float = Field(0.5, gt=0, description="seconds between samples of the server's memory")
+    label: Optional[str] = Field(None, description="row name in tables and plots; default: the target's name")
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive_levels(cls, v: list[int]) -> list[int]:
+        if any(c < 1 for c in v):
+            raise ValueError(f"every level needs >= 1 user, got {v}")
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _every_user_sends(self) -> "LoadConfig":
+        if self.requests < max(self.concurrency):
+            raise ValueError(f"requests {self.requests} < concurrency {max(self.concurrency)}: some users would send nothing")
+        return self
 
 
 def make_config(model: type[BaseModel], **values):

@@ -16,29 +16,19 @@ import numpy as np
 from specpipe.config import GenerationConfig, GateConfig
 from specpipe.errors import GateError, ServerError
 from specpipe.gate.report import CheckResult
-from specpipe.gate.subjects import RequestTiming, Subject, Tick, run_concurrently
+from specpipe.gate.subjects import RequestTiming, Subject, Tick, TimedRun
 
 ROBUSTNESS = "robustness"
 
 
 def check_reachable(url: str, model_name: str, timeout_s: float = 3.0) -> None:
     """Fail fast (GateError, exit 2) when nothing answers at `url` or the model is not ready."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
+    from specpipe.triton.client import check_ready
 
     try:
-        client = grpcclient.InferenceServerClient(url)
-    except Exception as exc:  # a malformed address
-        raise GateError(f"--url {url!r}: {exc}") from None
-    try:
-        if not client.is_server_live(client_timeout=timeout_s):
-            raise GateError(f"the Triton server at {url} is not live")
-        if not client.is_model_ready(model_name, client_timeout=timeout_s):
-            raise GateError(f"the Triton server at {url} has no ready model {model_name!r} (see --model)")
-    except InferenceServerException as exc:
-        raise GateError(f"cannot reach a Triton server at {url} within {timeout_s:g} s: {exc.message()}") from None
-    finally:
-        client.close()
+        check_ready(url, model_name, timeout_s)
+    except ServerError as err:
+        raise GateError(str(err)) from None
 
 
 def served_engine_dir(repo: Path, model_name: str) -> Path:
@@ -93,18 +83,30 @@ class ServerSubject(Subject):
             return np.array(list(pool.map(one, range(n))), dtype=np.int64)
 
     def timed_run(self, prompts, max_new_tokens, num_draft_tokens, concurrency, requests, warmup, tick):
+        """Closed-loop streaming users, as `specpipe loadtest` runs a level (specpipe.bench.load)."""
+        from specpipe.bench.load import run_level
+        from specpipe.triton.client import request_tensors
+
         cfg = self._config(max_new_tokens, num_draft_tokens)
+        make_request = lambda i: request_tensors(prompts[i % len(prompts)], cfg, stream=True, chat=self.chat)  # noqa: E731
+        if warmup:
+            run_level(self.url, self.model_name, make_request, concurrency, warmup, timeout_s=self.timeout_s)
+        level = run_level(self.url, self.model_name, lambda i: make_request(warmup + i), concurrency, requests,
+                          timeout_s=self.timeout_s, on_done=lambda record: tick(1))
+        failed = [r for r in level.records if r.error is not None]
+        if failed:  # an SLO over the requests that happened to succeed would say nothing
+            raise ServerError(f"{len(failed)} of {requests} timed requests failed at concurrency {concurrency}: "
+                              f"{failed[0].error}")
+        return TimedRun([_timing(r.result) for r in level.records], level.wall_s)
 
-        def one(i: int) -> RequestTiming:
-            result = self.generate(prompts[i % len(prompts)], cfg, stream=True)
-            drafted_at, accepted_at = _position_counts(result)
-            return RequestTiming(
-                ttft_ms=result["ttft_ms"], total_ms=result["total_ms"], num_tokens=result["num_generated"],
-                drafted=int(result.get("drafted", 0)), accepted=int(result.get("accepted", 0)),
-                drafted_at=drafted_at, accepted_at=accepted_at,
-            )
 
-        return run_concurrently(one, concurrency, requests, warmup, tick)
+def _timing(result: dict) -> RequestTiming:
+    drafted_at, accepted_at = _position_counts(result)
+    return RequestTiming(
+        ttft_ms=result["ttft_ms"], total_ms=result["total_ms"], num_tokens=result["num_generated"],
+        drafted=int(result.get("drafted", 0)), accepted=int(result.get("accepted", 0)),
+        drafted_at=drafted_at, accepted_at=accepted_at,
+    )
 
 
 def _position_counts(result: dict) -> tuple[list[int], list[int]]:
@@ -153,9 +155,7 @@ def check_robustness(subject: Optional[ServerSubject], gate: GateConfig, tick: T
 
     failures, refused = [], {}
     for name, tensors in bad_requests(subject.reference).items():
-        generation = RemoteGeneration(subject.url, "", GenerationConfig(), stream=False, chat=False,
-                                      model_name=subject.model_name, timeout_s=60.0)
-        generation.tensors = tensors
+        generation = RemoteGeneration(subject.url, tensors, model_name=subject.model_name, timeout_s=60.0)
         try:
             for _ in generation:
                 pass

@@ -37,7 +37,28 @@ def remote_generate(url: str, prompt: str, cfg: GenerationConfig, *, stream: boo
     give each response's arrival time and token count, for inter-token latency; `perf` holds TensorRT-LLM's
     perf outputs (server wall-clock times in ns, acceptance counters).
     """
-    return RemoteGeneration(url, prompt, cfg, stream=stream, chat=chat, model_name=model_name, timeout_s=timeout_s)
+    return RemoteGeneration(url, request_tensors(prompt, cfg, stream=stream, chat=chat), model_name=model_name,
+                            timeout_s=timeout_s)
+
+
+def check_ready(url: str, model_name: str = DEFAULT_MODEL, timeout_s: float = 3.0) -> None:
+    """Fail fast (ServerError) when nothing answers at `url` or the model is not ready to serve."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        client = grpcclient.InferenceServerClient(url)
+    except Exception as exc:  # a malformed address
+        raise ServerError(f"--url {url!r}: {exc}") from None
+    try:
+        if not client.is_server_live(client_timeout=timeout_s):
+            raise ServerError(f"the Triton server at {url} is not live")
+        if not client.is_model_ready(model_name, client_timeout=timeout_s):
+            raise ServerError(f"the Triton server at {url} has no ready model {model_name!r} (see --model)")
+    except InferenceServerException as exc:
+        raise ServerError(f"cannot reach a Triton server at {url} within {timeout_s:g} s: {exc.message()}") from None
+    finally:
+        client.close()
 
 
 def request_tensors(prompt: str, cfg: GenerationConfig, *, stream: bool, chat: bool = False) -> dict[str, np.ndarray]:
@@ -54,22 +75,33 @@ def request_tensors(prompt: str, cfg: GenerationConfig, *, stream: bool, chat: b
 
 
 class RemoteGeneration:
-    def __init__(self, url: str, prompt: str, cfg: GenerationConfig, *, stream: bool, chat: bool, model_name: str,
-                 timeout_s: float):
+    """One request (`tensors`: input name -> array) streamed from the server; see remote_generate().
+
+    `client`: an open tritonclient.grpc client to send it on, kept open afterwards (a load generator holds one
+    connection per user, as real clients do). Without one, the request opens its own, checks the server is
+    live, and closes it.
+    """
+
+    def __init__(self, url: str, tensors: dict[str, np.ndarray], *, model_name: str = DEFAULT_MODEL,
+                 timeout_s: float = 600.0, client=None):
         self.url, self.model_name, self.timeout_s = url, model_name, timeout_s
-        self.tensors = request_tensors(prompt, cfg, stream=stream, chat=chat)
+        self.tensors = tensors
+        self.client = client
         self.result: Optional[dict] = None
 
     def __iter__(self) -> Iterator[str]:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-        client = grpcclient.InferenceServerClient(self.url)
+        own = self.client is None
+        client = grpcclient.InferenceServerClient(self.url) if own else self.client
+        finished = False
         try:
-            try:
-                client.is_server_live(client_timeout=10)
-            except InferenceServerException as exc:
-                raise ServerError(f"cannot reach a Triton server at {self.url}: {exc.message()}") from None
+            if own:
+                try:
+                    client.is_server_live(client_timeout=10)
+                except InferenceServerException as exc:
+                    raise ServerError(f"cannot reach a Triton server at {self.url}: {exc.message()}") from None
             inputs = []
             for name, array in self.tensors.items():
                 tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
@@ -80,8 +112,13 @@ class RemoteGeneration:
             started = time.perf_counter()
             client.async_stream_infer(self.model_name, inputs, enable_empty_final_response=True)
             yield from self._read(responses, started)
+            finished = True
         finally:
-            client.close()
+            if own:
+                client.close()
+            else:
+                # The stream must end before the client's next request; one cut short is cancelled, not awaited.
+                client.stop_stream(cancel_requests=not finished)
 
     def _read(self, responses: queue.Queue, started: float) -> Iterator[str]:
         text, token_ids, chunk_ms, chunk_tokens, stats = [], [], [], [], {}

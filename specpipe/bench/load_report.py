@@ -1,0 +1,86 @@
+"""Show a loadtest report (specpipe.bench.load): one table row per (run, concurrency), and a PNG of aggregate
+tokens/s and TTFT p95 against concurrency with one line per run, so runs from several files compare at a glance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+
+def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def print_table(report: dict, console=None) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title="loadtest: closed-loop streaming users", title_justify="left", box=box.SIMPLE_HEAD,
+                  padding=0, pad_edge=False)  # the box's column separator is the gap
+    table.add_column("run", overflow="fold", min_width=12)
+    # Two-line headers (a p95 column follows its p50) so the table fits 80 columns; the JSON has the full names.
+    for column in ("users", "errors", "tok/s\nall", "tok/s\nreq p50", "TTFT s\np50", "\np95", "ITL ms\np50", "\np95",
+                   "RSS MB\nmax", "\n+%"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for number, run in enumerate(report["runs"]):
+        if number:
+            table.add_section()
+        for row, level in enumerate(run["levels"]):
+            rss = level["rss_mb"] or {}
+            errors = f"{level['errors']}/{level['requests']}"
+            table.add_row(
+                "" if row else run["label"], str(level["concurrency"]), f"[red]{errors}[/]" if level["errors"] else errors,
+                _fmt(level["tokens_per_s"], ".1f"), _fmt(level["request_tokens_per_s_p50"], ".1f"),
+                _fmt(level["ttft_ms_p50"], ".2f", 1e-3), _fmt(level["ttft_ms_p95"], ".2f", 1e-3),
+                _fmt(level["itl_ms_p50"], ".0f"), _fmt(level["itl_ms_p95"], ".0f"),
+                _fmt(rss.get("max"), ".0f"), _fmt(rss.get("growth_pct"), "+.1f") + ("%" if rss.get("growth_pct") is not None else ""),
+            )
+    console.print(table)
+    for run in report["runs"]:
+        settings = run["settings"]
+        k = "the deployment's" if settings["num_draft_tokens"] is None else str(settings["num_draft_tokens"])
+        console.print(f"{run['label']}: {run['target']} ({run['model']}), {settings['max_tokens']} tokens per request, "
+                      f"{settings['prompts'] or settings['prompt_set']} prompts, K {k}; measured on "
+                      f"{run['machine']['summary']}")
+        for level in run["levels"]:
+            for message, count in level["error_messages"].items():
+                console.print(f"  {level['concurrency']} users, {count} x error: {message}")
+
+
+def plot(report: dict, path: Path) -> Path:
+    """Aggregate tokens/s and TTFT p95 vs concurrency, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
+
+    fig, (ax_tokens, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
+    levels_run = sorted({level["concurrency"] for run in report["runs"] for level in run["levels"]})
+    for run in report["runs"]:
+        levels = run["levels"]
+        users = [level["concurrency"] for level in levels]
+        ax_tokens.plot(users, [level["tokens_per_s"] for level in levels], "o-", label=run["label"])
+        ax_ttft.plot(users, [_seconds(level["ttft_ms_p95"]) for level in levels], "o-", label=run["label"])
+    ax_tokens.set(xlabel="concurrent users", ylabel="tokens/s, all users together", title="Aggregate throughput",
+                  ylim=(0, None))
+    ax_ttft.set(xlabel="concurrent users", ylabel="seconds", title="Time to first token, p95", ylim=(0, None))
+    for ax in (ax_tokens, ax_ttft):
+        ax.set_xscale("log", base=2)  # levels double: equal steps
+        ax.set_xticks(levels_run, [str(users) for users in levels_run])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("specpipe loadtest (closed-loop streaming users)")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _seconds(ms: Optional[float]) -> Optional[float]:
+    return None if ms is None else ms / 1e3

@@ -1,0 +1,218 @@
+"""`specpipe loadtest`: its statistics on hand-made timings, the report's schema, merging reports, bad input, and one
+short run against a real tritonserver serving the tiny pair."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from rich.console import Console
+
+from specpipe.bench.load import (
+    SCHEMA, LevelRun, RequestRecord, find_local_server, itl_samples, make_report, percentile, process_tree_rss,
+    read_reports, summarize_level,
+)
+from specpipe.bench.load_report import print_table
+from specpipe.cli import main
+from specpipe.config import LoadConfig
+from specpipe.errors import UsageError
+from tests.test_gate import one_line_error
+
+LEVEL_KEYS = {"concurrency", "requests", "errors", "error_messages", "wall_s", "output_tokens", "tokens_per_s",
+              "request_tokens_per_s_p50", "ttft_ms_p50", "ttft_ms_p95", "itl_ms_p50", "itl_ms_p95", "rss_mb", "records"}
+RECORD_KEYS = {"index", "stream", "sent_ms", "ttft_ms", "total_ms", "tokens", "responses", "error"}
+RUN_KEYS = {"label", "target", "model", "started", "settings", "served", "machine", "levels"}
+
+
+def loadtest(capsys, *args) -> tuple[int, str, str]:
+    """`specpipe loadtest ARGS` through the real entry point: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["loadtest", *map(str, args)])
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return exc.value.code or 0, out, err
+
+
+# ---- statistics on hand-made timings ---------------------------------------------------------------
+
+
+def test_itl_spreads_each_response_gap_over_the_tokens_it_carried():
+    assert itl_samples([100.0, 140.0, 150.0], [1, 4, 1]) == [10.0] * 5
+    assert itl_samples([100.0], [3]) == []  # one response: TTFT only
+    assert itl_samples([], []) == []
+
+
+def hand_made_level() -> LevelRun:
+    """Two users, 2 s: two answered requests and one refused."""
+    return LevelRun(2, [
+        RequestRecord(0, 0, 0.0, total_ms=140.0, chunk_ms=[100.0, 120.0, 140.0], chunk_tokens=[1, 1, 2]),
+        RequestRecord(1, 1, 0.0, total_ms=330.0, chunk_ms=[300.0, 330.0], chunk_tokens=[2, 3]),
+        RequestRecord(2, 0, 140.0, total_ms=None, error="the server refused the request: queue full"),
+    ], wall_s=2.0, rss_bytes=[100 * 2**20, 130 * 2**20, 105 * 2**20])
+
+
+def test_level_statistics_follow_the_stated_conventions():
+    row = summarize_level(hand_made_level())
+    assert (row["requests"], row["errors"], row["output_tokens"]) == (3, 1, 9)
+    assert row["error_messages"] == {"the server refused the request: queue full": 1}
+    assert row["tokens_per_s"] == pytest.approx(9 / 2.0)  # all tokens / wall time of the level
+    assert row["ttft_ms_p50"] == pytest.approx(200.0)  # the refused request is in no latency statistic
+    assert row["ttft_ms_p95"] == pytest.approx(290.0)  # numpy's linear interpolation: 100 + 0.95 * 200
+    # ITL samples [20, 10, 10] and [10, 10, 10]: p95 sits between the fifth (10) and sixth (20)
+    assert row["itl_ms_p50"] == pytest.approx(10.0)
+    assert row["itl_ms_p95"] == pytest.approx(17.5)
+    assert row["request_tokens_per_s_p50"] == pytest.approx((4 / 0.14 + 5 / 0.33) / 2)
+    assert row["rss_mb"] == {"start": 100.0, "end": 105.0, "max": 130.0, "growth_pct": pytest.approx(5.0), "samples": 3}
+
+
+def test_a_level_with_nothing_measured_reports_none_not_nan():
+    row = summarize_level(LevelRun(1, [RequestRecord(0, 0, 0.0, error="boom")], wall_s=0.5))
+    assert row["ttft_ms_p50"] is None and row["itl_ms_p95"] is None and row["rss_mb"] is None
+    assert row["tokens_per_s"] == 0.0 and percentile([], 50) is None
+    json.dumps(row, allow_nan=False)
+
+
+# ---- the server's memory ---------------------------------------------------------------------------
+
+
+def test_process_tree_rss_counts_the_children():
+    child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(64 << 20); time.sleep(30)"])
+    try:
+        deadline = time.time() + 20
+        while process_tree_rss(child.pid) < 64 << 20 and time.time() < deadline:
+            time.sleep(0.1)
+        alone = process_tree_rss(os.getpid()) - process_tree_rss(child.pid)
+        assert process_tree_rss(child.pid) >= 64 << 20
+        assert alone > 0  # this process's own pages, the child's counted in the tree
+    finally:
+        child.kill()
+        child.wait()
+    assert process_tree_rss(child.pid) is None
+
+
+def test_find_local_server_reads_the_grpc_port_from_the_command_line(tmp_path):
+    def process(pid: int, *argv: str) -> None:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes("\0".join(argv).encode() + b"\0")
+
+    process(10, "/usr/bin/python", "--grpc-port=9100")
+    process(11, "/opt/tritonserver/bin/tritonserver", "--model-repository=/r", "--grpc-port=9100")
+    process(12, "tritonserver", "--model-repository=/r")
+    assert find_local_server("127.0.0.1:9100", proc=tmp_path) == 11
+    assert find_local_server("localhost:8001", proc=tmp_path) == 12  # Triton's default port
+    assert find_local_server("127.0.0.1:9200", proc=tmp_path) is None
+    assert find_local_server("10.1.2.3:9100", proc=tmp_path) is None  # another machine: not measurable here
+
+
+# ---- reports: schema, merging, the table -----------------------------------------------------------
+
+
+def fake_run(label: str, **settings) -> dict:
+    from specpipe.machine import describe_machine
+
+    level = summarize_level(hand_made_level())
+    return {"label": label, "target": "triton_repo", "model": "ensemble", "started": "2025-01-01T00:00:00",
+            "settings": LoadConfig(concurrency=[2], requests=3, **settings).model_dump(mode="json"), "served": {},
+            "machine": describe_machine(2).as_dict(), "levels": [{**level, "records": []}]}
+
+
+def test_reports_merge_from_files_and_labels_must_differ(tmp_path):
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    one.write_text(json.dumps(make_report([fake_run("one-at-a-time")])))
+    two.write_text(json.dumps(make_report([fake_run("batched"), fake_run("batched K=0", num_draft_tokens=0)])))
+    merged = make_report(read_reports([one, two]))
+    assert merged["schema"] == SCHEMA and [r["label"] for r in merged["runs"]] == ["one-at-a-time", "batched", "batched K=0"]
+    with pytest.raises(UsageError, match="labelled 'batched'"):
+        make_report(read_reports([two, two]))
+    (tmp_path / "other.json").write_text('{"sets": []}')
+    with pytest.raises(UsageError, match="not a loadtest report"):
+        read_reports([tmp_path / "other.json"])
+    with pytest.raises(UsageError, match="missing.json"):
+        read_reports([tmp_path / "missing.json"])
+
+    out = io.StringIO()
+    print_table(merged, Console(file=out, width=140))
+    text = out.getvalue()
+    assert "one-at-a-time" in text and "batched K=0" in text and "1 x error: the server refused" in text
+
+
+def test_compare_alone_writes_the_merged_report_and_plot(tmp_path, capsys):
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    one.write_text(json.dumps(make_report([fake_run("one-at-a-time")])))
+    two.write_text(json.dumps(make_report([fake_run("batched")])))
+    code, out, err = loadtest(capsys, "--compare", one, "--compare", two, "--json-out", tmp_path / "both.json",
+                              "--plot", tmp_path / "both.png")
+    assert code == 0, err
+    assert [r["label"] for r in json.loads((tmp_path / "both.json").read_text())["runs"]] == ["one-at-a-time", "batched"]
+    assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
+    assert "one-at-a-time" in out and "batched" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-c", "1,two", "repo"], "--concurrency '1,two': expected a list"),
+    (["-c", "", "repo"], "--concurrency '': expected a list"),
+    (["-c", "0,4", "repo"], "every level needs >= 1 user"),
+    (["-c", "1,8", "--requests", "4", "repo"], "requests 4 < concurrency 8"),
+    (["repo", "--url", "127.0.0.1:1"], "not both"),
+    ([], "give TARGET"),
+    (["--max-tokens", "0", "repo"], "--max-tokens"),
+    (["--compare", "missing.json"], "--compare missing.json"),
+    (["no-such-folder", "--warmup-requests", "0"], "no such Triton repository or engines folder"),
+    (["--url", "127.0.0.1:1", "-c", "1", "--requests", "1"], "cannot reach a Triton server at 127.0.0.1:1"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = loadtest(capsys, *args)
+    assert code == 2 and message in one_line_error(err), err
+
+
+def test_a_label_clash_fails_before_any_load(tmp_path, capsys):
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(make_report([fake_run("same")])))
+    code, _, err = loadtest(capsys, "--url", "127.0.0.1:1", "--label", "same", "--compare", one)
+    assert code == 2 and "labelled 'same'" in one_line_error(err)
+
+
+# ---- a real server ---------------------------------------------------------------------------------
+
+
+def test_real_server_at_one_and_two_users(tiny_build, tmp_path, capsys):
+    """engines/NAME as TARGET: a temporary repository beside it, tritonserver on free ports, stopped after."""
+    before = set(tiny_build.parent.iterdir())
+    code, out, err = loadtest(capsys, tiny_build, "-c", "1,2", "--requests", "4", "--warmup-requests", "1",
+                              "--max-tokens", "8", "--label", "tiny", "--json-out", tmp_path / "load.json",
+                              "--plot", tmp_path / "load.png")
+    assert code == 0, err
+    assert set(tiny_build.parent.iterdir()) == before  # the temporary repository is gone
+
+    report = json.loads((tmp_path / "load.json").read_text())
+    assert report["schema"] == SCHEMA and len(report["runs"]) == 1
+    run = report["runs"][0]
+    assert set(run) == RUN_KEYS and run["label"] == "tiny" and run["served"]["instances"] == 1
+    assert run["settings"]["concurrency"] == [1, 2] and run["machine"]["summary"]
+    for level, users in zip(run["levels"], (1, 2)):
+        assert set(level) == LEVEL_KEYS and level["concurrency"] == users
+        assert (level["requests"], level["errors"]) == (4, 0), level["error_messages"]
+        assert level["output_tokens"] == 4 * 8  # EOS ignored: every request makes max_tokens
+        assert all(set(r) == RECORD_KEYS and r["tokens"] == 8 and r["ttft_ms"] <= r["total_ms"] for r in level["records"])
+        assert {r["stream"] for r in level["records"]} == set(range(users))
+        assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p95"] and level["itl_ms_p50"] is not None
+        assert level["rss_mb"]["start"] > 50 and level["rss_mb"]["samples"] >= 2  # server and stub together
+    assert (tmp_path / "load.png").is_file() and "tiny" in out
+
+
+def test_a_gate_whose_latency_slo_has_fewer_requests_than_users_is_refused(tmp_path):
+    from specpipe.errors import GateError
+    from specpipe.gate import load_gate
+
+    gate_file = tmp_path / "gate.toml"
+    gate_file.write_text("[latency]\nconcurrency = 4\nrequests = 2\n")
+    with pytest.raises(GateError, match="requests 2 < concurrency 4"):
+        load_gate(gate_file)
+    gate_file.write_text("[latency]\nconcurrency = 4\nrequests = 4\n")
+    assert load_gate(gate_file).latency.concurrency == 4
