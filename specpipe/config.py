@@ -395,6 +395,8 @@ class LoadConfig(Strict):
     concurrency: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16], min_length=1,
                                    description="users (streams in flight) per level")
     requests: int = Field(32, ge=1, description="measured requests per level")
+    requests_per_user: int = Field(0, ge=0, description="at least this many requests per user at each level "
+                                                        "(a level runs max(requests, this x users))")
     warmup_requests: int = Field(2, ge=0, description="requests sent first, one at a time, and not measured")
     max_tokens: int = Field(64, ge=1, description="new tokens per request")
     prompt_set: BenchPromptSet = Field("code", description="packaged prompt set the requests cycle through")
@@ -417,9 +419,12 @@ class LoadConfig(Strict):
 
     @model_validator(mode="after")
     def _every_user_sends(self) -> "LoadConfig":
-        if self.requests < max(self.concurrency):
+        if max(self.requests, self.requests_per_user * max(self.concurrency)) < max(self.concurrency):
             raise ValueError(f"requests {self.requests} < concurrency {max(self.concurrency)}: some users would send nothing")
         return self
+
+    def requests_at(self, concurrency: int) -> int:
+        return max(self.requests, self.requests_per_user * concurrency)
 
 
 def make_config(model: type[BaseModel], **values):

@@ -302,14 +302,14 @@ def run_load(cfg: LoadConfig, url: str, *, model_name: str, server_pid: Optional
             raise ServerError(f"warm-up request failed: {failed[0].error}")
     rows = []
     for concurrency in cfg.concurrency:
-        what, done = f"{concurrency} users", [0]
+        what, done, requests = f"{concurrency} users", [0], cfg.requests_at(concurrency)
 
         def tick(record: RequestRecord) -> None:
             done[0] += 1
-            report(what, done[0], cfg.requests)
+            report(what, done[0], requests)
 
-        report(what, 0, cfg.requests)
-        level = run_level(url, model_name, make_request, concurrency, cfg.requests, timeout_s=cfg.request_timeout_s,
+        report(what, 0, requests)
+        level = run_level(url, model_name, make_request, concurrency, requests, timeout_s=cfg.request_timeout_s,
                           server_pid=server_pid, rss_interval_s=cfg.rss_interval_s, on_done=tick)
         rows.append({**summarize_level(level), "records": [r.as_dict() for r in level.records]})
     return rows

@@ -36,6 +36,7 @@ def _option(flag: str, name: str, **kwargs):
 @click.option("-c", "--concurrency", default=",".join(map(str, field_default(LoadConfig, "concurrency"))),
               show_default=True, help="Levels: concurrent users, a list like 1,2,4.")
 @_option("--requests", "requests", type=int)
+@_option("--requests-per-user", "requests_per_user", type=int)
 @_option("--warmup-requests", "warmup_requests", type=int)
 @_option("--max-tokens", "max_tokens", type=int)
 @_option("--prompts-set", "prompt_set", type=click.Choice(["code", "chat", "grounded"]))
@@ -49,7 +50,7 @@ def _option(flag: str, name: str, **kwargs):
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help="Write the report (every run) as JSON.")
 @click.option("--plot", type=click.Path(path_type=Path), default=None,
               help="Write a PNG of tokens/s and TTFT p95 vs concurrency, one line per run.")
-def loadtest(target: Optional[Path], url, model_name, concurrency, requests, warmup_requests, max_tokens, prompt_set,
+def loadtest(target: Optional[Path], url, model_name, concurrency, requests, requests_per_user, warmup_requests, max_tokens, prompt_set,
              prompts, num_draft_tokens, ignore_eos, request_timeout_s, label, compare, json_out, plot) -> None:
     """Drive a real Triton server with closed-loop streaming users at each concurrency: aggregate and per-request
     tokens/s, TTFT and inter-token latency p50/p95, errors, server memory.
@@ -72,6 +73,7 @@ def loadtest(target: Optional[Path], url, model_name, concurrency, requests, war
     if target is None and url is None and not compare:
         raise UsageError("give TARGET (a Triton repository or engines/NAME), --url, or --compare FILE")
     cfg = make_config(LoadConfig, concurrency=parse_levels(concurrency), requests=requests,
+                      requests_per_user=requests_per_user,
                       warmup_requests=warmup_requests, max_tokens=max_tokens, prompt_set=prompt_set, prompts=prompts,
                       num_draft_tokens=num_draft_tokens, ignore_eos=ignore_eos,
                       request_timeout_s=request_timeout_s, label=label)
