@@ -30,11 +30,6 @@ class SamplingConfig(Strict):
         return self.temperature == 0.0
 
 
-# Requests decoded together, on every backend: 16 concurrent streams is what the load benchmark's top row
-# (and issue 14's target) asks of one CPU deployment.
-DEFAULT_MAX_BATCH_SIZE = 16
-
-
 class GenerationConfig(Strict):
     """One request: sampling, lengths, stopping, speculation."""
 
@@ -91,7 +86,7 @@ class BuildConfig(Strict):
     )
     triton_instances: int = Field(1, ge=1, description="Triton model instances: requests served in parallel")
     max_batch_size: int = Field(
-        DEFAULT_MAX_BATCH_SIZE, ge=1, le=256,
+        16, ge=1, le=256,
         description="requests decoded together (continuous batching); 1 = one request at a time per instance",
     )
     max_queue: int = Field(64, ge=0, description="requests that may wait for a batch slot; beyond that a request is refused at once")
@@ -559,7 +554,7 @@ class GpuBuildConfig(Strict):
     )
     gpu_memory_gb: Optional[float] = Field(None, gt=0, description="memory of one GPU (GB = 1e9 bytes); checks the plan fits")
     max_draft_len: int = Field(8, ge=1, le=64, description="largest K the engines are built for")
-    max_batch_size: int = Field(DEFAULT_MAX_BATCH_SIZE, ge=1, description="requests scheduled at once (engines and Triton)")
+    max_batch_size: int = Field(8, ge=1, description="requests scheduled at once (engines and Triton)")
     max_input_len: int = Field(2048, ge=1, description="longest prompt, tokens")
     max_seq_len: Optional[int] = Field(None, ge=2, description="prompt + output tokens; None = the target's context, at most 8192")
     kv_cache_free_gpu_mem_fraction: Optional[float] = Field(

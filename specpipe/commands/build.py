@@ -99,7 +99,8 @@ def build(as_json: bool, no_repo: bool, **options) -> None:
         if len(options["draft"]) != 1:
             raise UsageError(f"--backend {backend_of(gpu)} builds one --draft; got {len(options['draft'])}")
         return gpu_build(gpu, {**options, "draft": options["draft"][0]}, as_json=as_json)
-    options["max_batch_size"] = gpu["max_batch_size"]  # one --max-batch-size for every backend
+    if gpu.get("max_batch_size") is not None:  # one --max-batch-size for every backend, each with its default
+        options["max_batch_size"] = gpu["max_batch_size"]
     quant, draft_quant = _quant_configs(options)
     cfg = make_config(BuildConfig, **options, ngram=ngram, choice=choice, quant=quant, draft_quant=draft_quant)
     console = Console(stderr=True)

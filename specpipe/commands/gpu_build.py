@@ -12,7 +12,7 @@ from typing import Optional
 
 import click
 
-from specpipe.config import GpuBuildConfig, field_default, field_help, make_config
+from specpipe.config import BuildConfig, GpuBuildConfig, field_default, field_help, make_config
 from specpipe.errors import UsageError
 
 _QUANT_CHOICES = ["none", "int8-wo", "int4-wo", "int8", "fp8"]
@@ -29,8 +29,10 @@ _OPTIONS = [
     click.option("--draft-placement", type=click.Choice(["shared", "separate"]), default=field_default(GpuBuildConfig, "draft_placement"),
                  show_default=True, help=field_help(GpuBuildConfig, "draft_placement")),
     click.option("--gpu-memory-gb", type=float, default=None, help=field_help(GpuBuildConfig, "gpu_memory_gb")),
-    click.option("--max-batch-size", type=int, default=field_default(GpuBuildConfig, "max_batch_size"), show_default=True,
-                 help=field_help(GpuBuildConfig, "max_batch_size")),
+    click.option("--max-batch-size", type=int, default=None,
+                 help="requests decoded together (continuous batching) [default: "
+                      f"{field_default(BuildConfig, 'max_batch_size')} on CPU, "
+                      f"{field_default(GpuBuildConfig, 'max_batch_size')} with --backend tensorrt/trtllm]"),
     click.option("--max-input-len", type=int, default=field_default(GpuBuildConfig, "max_input_len"), show_default=True,
                  help=field_help(GpuBuildConfig, "max_input_len")),
     click.option("--max-seq-len", type=int, default=None, help=field_help(GpuBuildConfig, "max_seq_len")),

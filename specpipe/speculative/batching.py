@@ -6,6 +6,7 @@ running batch at any step and leave when done; one thread runs the steps. Each s
 
   0. admit waiting requests while there is room, and prefill their prompts in chunks (`prefill_chunk`
      tokens a step in all), so a long prompt delays running requests by one chunk, not by its whole length;
+     the call with a prompt's last token also gives the request's first token (time to first token);
   1. choose K per request (0 = no speculation): the request's own adaptive K (adaptive.py), then
      `plan_batch_draft_lengths` for the batch (or the user's batch-size -> K table);
   2. draft: each speculating request's drafter proposes up to K tokens x_1..x_K with their q;
@@ -68,10 +69,6 @@ class _Request:
     draft_len: Optional[DraftLengthPolicy] = None
     rng: Optional[np.random.Generator] = None
     cancelled: bool = False
-
-    @property
-    def prefilled(self) -> bool:  # the cache holds context[:-1]; the last token is fed by the next step
-        return self.row is not None and len(self.row) >= len(self.context) - 1
 
 
 class BatchScheduler:
@@ -160,8 +157,8 @@ class BatchScheduler:
         """One scheduling step over the running requests (module docstring, phases 0-4)."""
         for request in [r for r in self.running if r.cancelled]:
             self._finish(request)
+        ready = [r for r in self.running if r.produced > 0]  # requests past their prompt
         self._prefill()
-        ready = [r for r in self.running if r.prefilled]
         if not ready:
             return
         self.steps_run += 1
@@ -189,36 +186,46 @@ class BatchScheduler:
 
         # 4. Accept or resample; emit; roll each cache back to its accepted tokens.
         for request, proposal, logits in zip(ready, proposals, target_logits):
-            verdict = judge(proposal.tokens, proposal.probs, logits, request.cfg.sampling, request.rng)
-            if request.draft is not None:
-                request.draft.observe(len(proposal.tokens), verdict.accepted_len)
-                request.draft_len.observe(len(proposal.tokens), verdict.accepted_len)
-            emitted = verdict.emitted(proposal.tokens)
-            if request.cfg.stop_on_eos:
-                emitted = _cut_at_eos(emitted, request.eos_token_ids)
-            emitted = emitted[: request.cfg.max_new_tokens - request.produced]
-            request.stats.record(len(proposal.tokens), verdict.accepted_len, len(emitted))
-            request.stats.draft_s += t1 - t0
-            request.stats.target_s += t2 - t1
-            request.row.truncate(len(request.context) + verdict.accepted_len)  # the new context minus its last token
-            request.context += emitted
-            request.produced += len(emitted)
-            request.out.put(emitted)
-            ended = request.produced >= request.cfg.max_new_tokens or self._room(request) < 0
-            if ended or (request.cfg.stop_on_eos and emitted[-1] in request.eos_token_ids):
-                self._finish(request)
+            self._settle(request, proposal, logits, draft_s=t1 - t0, target_s=t2 - t1)
+
+    def _settle(self, request: _Request, proposal: Proposal, target_logits: np.ndarray, *, draft_s: float,
+                target_s: float) -> None:
+        """Judge one request's step, emit its tokens, and leave its cache holding the new context but its
+        last token (which the next step feeds)."""
+        verdict = judge(proposal.tokens, proposal.probs, target_logits, request.cfg.sampling, request.rng)
+        if request.draft is not None:
+            request.draft.observe(len(proposal.tokens), verdict.accepted_len)
+            request.draft_len.observe(len(proposal.tokens), verdict.accepted_len)
+        emitted = verdict.emitted(proposal.tokens)
+        if request.cfg.stop_on_eos:
+            emitted = _cut_at_eos(emitted, request.eos_token_ids)
+        emitted = emitted[: request.cfg.max_new_tokens - request.produced]
+        request.stats.record(len(proposal.tokens), verdict.accepted_len, len(emitted))
+        request.stats.draft_s += draft_s
+        request.stats.target_s += target_s
+        request.row.truncate(len(request.context) + verdict.accepted_len)
+        request.context += emitted
+        request.produced += len(emitted)
+        request.out.put(emitted)
+        ended = request.produced >= request.cfg.max_new_tokens or self._room(request) < 0
+        if ended or (request.cfg.stop_on_eos and emitted[-1] in request.eos_token_ids):
+            self._finish(request)
 
     def _prefill(self) -> None:
-        """Feed waiting prompts' tokens (all but the last) into their rows, `prefill_chunk` tokens a step."""
+        """Feed new requests' prompts into their rows, `prefill_chunk` tokens a step in all. The call that
+        takes a prompt's last token also gives its first new token (a target-only step), at once: a new
+        request does not wait for the next batched step to see its first token."""
         budget = self.prefill_chunk
-        for request in self.running:
+        for request in [r for r in self.running if r.produced == 0]:
             if budget <= 0:
                 break
-            missing = len(request.context) - 1 - len(request.row)
-            if missing > 0:
-                take = min(missing, budget)
-                request.row.append(request.context[len(request.row) : len(request.row) + take])
-                budget -= take
+            start = len(request.row)
+            take = min(len(request.context) - start, budget)
+            t0 = time.perf_counter()
+            logits = request.row.append(request.context[start : start + take])
+            budget -= take
+            if start + take == len(request.context):
+                self._settle(request, Proposal.empty(), logits[-1:], draft_s=0.0, target_s=time.perf_counter() - t0)
 
     def _draft_lengths(self, ready: list[_Request]) -> list[int]:
         preferred = []
