@@ -352,18 +352,21 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
 
 # Architectures onnxruntime-genai's builder turns into the shared-KV graph that engines/shared_kv.py runs.
 GENAI_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma")
+GENAI_QUANT_MODES = ("none", "int4-wo", "int8-wo")
 
 
 def target_graph(cfg: BuildConfig, info) -> str:
     """Which exporter makes the target: "genai" (batches requests, engines/shared_kv.py) or "optimum".
-    Quantized targets take optimum's graph: specpipe's quantizers and accuracy checks work on that one."""
-    self_draft = any(spec.startswith("self:") for spec in cfg.draft)  # quantized from the target's optimum graph
-    possible = cfg.quant.mode == "none" and info.model_type in GENAI_MODEL_TYPES and not self_draft
+    Weight-only quantization (MatMulNBits on the graph's constant-weight MatMuls, lm_head included) works on
+    either graph; calibrated modes (int8, fp8) and self-drafts are built for optimum's graph."""
+    self_draft = any(spec.startswith("self:") for spec in cfg.draft)
+    possible = (cfg.quant.mode in GENAI_QUANT_MODES and info.model_type in GENAI_MODEL_TYPES and not self_draft)
     if cfg.target_graph == "optimum" or (cfg.target_graph == "auto" and not possible):
         return "optimum"
     if not possible:
-        raise UsageError(f"--target-graph genai takes an unquantized {'/'.join(GENAI_MODEL_TYPES)} target and no"
-                         f" self: draft (this one: {info.model_type}, quant {cfg.quant.mode})")
+        raise UsageError(f"--target-graph genai takes a {'/'.join(GENAI_MODEL_TYPES)} target, --quant "
+                         f"{'/'.join(GENAI_QUANT_MODES)} and no self: draft (this one: {info.model_type}, quant "
+                         f"{cfg.quant.mode})")
     if not builder_available():
         if cfg.target_graph == "genai":
             raise UsageError("--target-graph genai needs onnxruntime-genai (pip install onnxruntime-genai)")

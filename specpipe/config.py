@@ -98,7 +98,8 @@ class BuildConfig(Strict):
     target_graph: Literal["auto", "genai", "optimum"] = Field(
         "auto",
         description="target ONNX graph: genai = onnxruntime-genai's model builder (GroupQueryAttention, shared KV "
-        "buffer: batches requests); optimum = optimum's export; auto = genai for unquantized Llama-family targets",
+        "buffer: batches requests); optimum = optimum's export; auto = genai for Llama-family targets, unquantized or "
+        "weight-only quantized",
     )
     force: bool = False
     allow_pickle: bool = False

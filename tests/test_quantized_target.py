@@ -21,12 +21,16 @@ MODES = ["none", "int8-wo", "int4-wo", "int8"]
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_build, tmp_path_factory):
-    """The tiny target's fp32 engine quantized in every mode (int8 W8A8 calibrated on random ids)."""
+def engines(tiny_target, tmp_path_factory):
+    """The tiny target's fp32 engine (optimum's graph, whose 1-token steps can be padded) quantized in every
+    mode (int8 W8A8 calibrated on random ids)."""
+    from specpipe.build import build
+    from specpipe.config import BuildConfig
     from specpipe.quantize.pipeline import quantize_onnx
 
-    fp32 = tiny_build / "target"
     out = tmp_path_factory.mktemp("modes")
+    fp32 = build(BuildConfig(target=str(tiny_target), draft="none", name="optimum", target_graph="optimum",
+                             engines_dir=out, repo_dir=None)) / "target"
     rng = np.random.default_rng(0)
     calib = [[int(t) for t in rng.integers(3, 300, size=24)] for _ in range(8)]
     folders = {"none": fp32}

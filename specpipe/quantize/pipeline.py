@@ -85,6 +85,9 @@ def quantize_onnx(src_dir: Path, dst_dir: Path, cfg: QuantConfig, calib: Sequenc
     meta = read_engine_meta(src_dir)
     if meta.get("quant", "none") != "none":
         raise UsageError(f"{src_dir} is already quantized ({meta['quant']}); quantize the unquantized engine")
+    if meta.get("kv_layout") == "shared" and cfg.mode not in ("none", "int8-wo", "int4-wo"):
+        raise UsageError(f"--quant {cfg.mode} needs optimum's graph (--target-graph optimum); the shared-KV graph of"
+                         f" {src_dir} takes weight-only modes (int4-wo, int8-wo)")
     started = time.perf_counter()
     dst_dir.mkdir(parents=True, exist_ok=True)
     untied: list[str] = []
