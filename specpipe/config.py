@@ -454,7 +454,7 @@ BuildConfig.model_rebuild()  # resolves its NgramConfig / DraftChoiceConfig / Qu
 
 # ---- GPU backends (`specpipe build --backend tensorrt|trtllm`): what specpipe.gpu.make_plan plans.
 # Upstream names (trtllm-build flags, quantize.py qformats, tensorrtllm_backend parameters) are looked
-# up in specpipe/gpu/upstream.py; these fields are specpipe's own vocabulary.
+# up in specpipe/engines/upstream.py; these fields are specpipe's own vocabulary.
 
 GpuBackend = Literal["tensorrt", "trtllm"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from specpipe.config import GenerationConfig, NgramConfig
-from specpipe.engines.base import Engine, load_engine
+from specpipe.engines import Engine, load_engine
 from specpipe.errors import EngineError
 from specpipe.manifest import read_manifest
 from specpipe.speculative.adaptive import StepCosts

@@ -112,7 +112,7 @@ def test_chisquare_accepts_the_right_sampler_and_rejects_a_wrong_one():
 
 
 def test_memo_engine_returns_the_engines_logits(tiny_build):
-    from specpipe.engines.base import load_engine
+    from specpipe.engines import load_engine
     from specpipe.gate.memo import MemoEngine
 
     engine = load_engine(tiny_build / "target")

@@ -1,7 +1,7 @@
 """GPU plans and the TensorRT-LLM Triton repository, checked against what upstream expects (no GPU needed).
 
 The expectations below are copied from the upstream files named next to them, independently of
-specpipe/gpu/upstream.py: if someone edits a flag there, these tests fail.
+specpipe/engines/upstream.py: if someone edits a flag there, these tests fail.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from specpipe.config import GpuBuildConfig
 from specpipe.errors import IncompatiblePairError, UsageError
 from specpipe.gpu import GpuMemoryError, make_plan, render_plan, write_plan_repository
 from specpipe.gpu.memory import GB, kv_bytes_per_token
-from specpipe.gpu.shapes import resolve_shape, shape_from_config
-from specpipe.gpu.tensorrt_build import optimization_profiles, select_profile
+from specpipe.checkpoint.shape import resolve_shape, shape_from_config
+from specpipe.engines.tensorrt_build import optimization_profiles, select_profile
 from specpipe.triton.model_config import parse_config, read_config
 from specpipe.triton.trtllm_repo import compare_with_templates, parse_template
 
@@ -489,8 +489,8 @@ def test_llmapi_flow_refuses_a_separate_draft_gpu(tmp_path):
 
 
 def test_upstream_facts_match_the_copies_here():
-    """specpipe/gpu/upstream.py against the values copied in this file from the sources named there."""
-    from specpipe.gpu import upstream
+    """specpipe/engines/upstream.py against the values copied in this file from the sources named there."""
+    from specpipe.engines import upstream
     from specpipe.triton.trtllm_repo import LLMAPI_INPUTS
 
     assert upstream.TRTLLM_ENGINE_VERSION == "1.2.1" and upstream.TRTLLM_LLMAPI_MIN_VERSION == "1.3.0"

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from specpipe.bench.harness import BASELINE, measurement_dict, run_rows, spec_rows, summarize
-from specpipe.bench.limits import floor_ms_per_token, measure_bandwidth, step_ms, weight_bytes
+from specpipe.bench.limits import floor_ms_per_token, measure_bandwidth, weight_bytes
 from specpipe.bench.prompts import load_prompt_sets
 from specpipe.config import BenchConfig
+from specpipe.engines.timing import step_ms
 from specpipe.errors import UsageError
 from specpipe.speculative.ngram import copy_ceiling
 

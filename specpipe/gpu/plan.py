@@ -12,11 +12,11 @@ from pydantic import BaseModel, ConfigDict
 
 from specpipe.config import GpuBuildConfig
 from specpipe.errors import UsageError
-from specpipe.gpu import upstream
+from specpipe.engines import upstream
 from specpipe.gpu.memory import MemoryPlan, model_memory, place, valid_tp
-from specpipe.gpu.shapes import ModelShape, resolve_shape
+from specpipe.checkpoint.shape import ModelShape, resolve_shape
 from specpipe.gpu.steps import Step
-from specpipe.gpu.tensorrt_build import PLAN_FILE, optimization_profiles
+from specpipe.engines.tensorrt_build import PLAN_FILE, optimization_profiles
 from specpipe.gpu.trtllm import (
     Limits,
     ModelJob,

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from specpipe.config import GpuBuildConfig
 from specpipe.errors import EngineError, SpecpipeError
-from specpipe.gpu import upstream
+from specpipe.engines import upstream
 from specpipe.gpu.plan import PLAN_JSON, Plan, tensorrt_engine_dir, write_plan_repository
 from specpipe.gpu.steps import Step
 
@@ -152,14 +152,14 @@ def _quantize(step, plan, cfg, context, work):
 
 
 def _autocast(step, plan, cfg, context, work):
-    from specpipe.gpu.tensorrt_build import autocast
+    from specpipe.engines.tensorrt_build import autocast
 
     dtype = next(k for k, v in upstream.AUTOCAST_LOW_PRECISION.items() if v == step.kwargs["low_precision_type"])
     autocast(Path(step.kwargs["onnx_path"]), Path(step.writes[0]).parent, dtype)
 
 
 def _engine(step, plan, cfg, context, work):
-    from specpipe.gpu.tensorrt_build import build_engine, optimization_profiles, write_tensorrt_meta
+    from specpipe.engines.tensorrt_build import build_engine, optimization_profiles, write_tensorrt_meta
 
     role = step.id.split(".")[0]
     model = plan.target if role == "target" else plan.draft

@@ -15,7 +15,7 @@ Engine flow (`--trtllm-flow engine`, TensorRT-LLM 1.2.1, the last stable release
                  --max_draft_len K; both with paged context FMHA (KV-cache reuse and chunked context need it)
     serve        tensorrtllm_backend: the BLS model runs the draft, then the target on the drafts
 
-Every upstream name used here is in specpipe/gpu/upstream.py with the file and commit it was read in.
+Every upstream name used here is in specpipe/engines/upstream.py with the file and commit it was read in.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specpipe.gpu import upstream
-from specpipe.gpu.shapes import ModelShape
+from specpipe.engines import upstream
+from specpipe.checkpoint.shape import ModelShape
 from specpipe.gpu.steps import Step
 
 # trtllm-build's own default (gh-pages 1.2.1/commands/trtllm-build.html); raised to max_input_len so a

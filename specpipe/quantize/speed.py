@@ -53,7 +53,7 @@ def measure_speeds(
     bandwidth_gb_s: float | None = None,
 ) -> list[SpeedReport]:
     """Median ms of one decode step for each engine (see the module docstring). `runs` in total per engine."""
-    from specpipe.engines.base import load_engine, read_engine_meta
+    from specpipe.engines import load_engine, read_engine_meta
 
     engines = [load_engine(folder, threads=threads) for folder in engine_dirs]
     context = [(7 * i + 11) % min(e.vocab_size for e in engines) for i in range(context_len)]  # any fixed tokens

@@ -27,7 +27,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field
 from tritonclient.grpc import model_config_pb2 as mc
 
-from specpipe.gpu import upstream
+from specpipe.engines import upstream
 from specpipe.triton.model_config import CONFIG_FILE, DynamicBatching, EnsembleStep, ModelSpec, TensorSpec, parse_config
 
 LOGITS_TYPE = "FP32"  # ${logits_datatype}; TYPE_FP32 in upstream's draft-target example

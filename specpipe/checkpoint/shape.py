@@ -1,4 +1,4 @@
-"""The architecture numbers a GPU plan needs, from the alias registry or a checkpoint's config.json.
+"""The architecture numbers a build plan needs, from the alias registry or a checkpoint's config.json.
 
 No weights are read: a plan for Llama 2 70B must work on a laptop. Aliases carry the published values
 (specpipe/checkpoint/aliases.toml); a local folder's config.json gives the same fields for a draft that
@@ -41,7 +41,7 @@ class ModelShape(BaseModel):
 
 def resolve_shape(spec: str) -> ModelShape:
     """An alias from the registry, or a local HF checkpoint folder (its config.json)."""
-    from specpipe.checkpoint import get_alias
+    from specpipe.checkpoint.registry import get_alias
 
     facts = get_alias(spec)
     if facts is not None:
