@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -65,7 +66,7 @@ class BuildConfig(Strict):
 
     `draft` lists candidates. One is built and deployed as asked. Several are each built and measured
     against the target alone, and the fastest is deployed, or none when no draft beats the target alone
-    by `choice.min_speedup` (specpipe/draft_choice.py).
+    by `choice.min_speedup` (specpipe/build/draft_choice.py).
     """
 
     target: str
@@ -123,9 +124,25 @@ class BuildConfig(Strict):
         return v
 
     @property
+    def output_name(self) -> str:
+        """The build's folder under engines_dir: --name, else one derived from the pair."""
+        return self.name or default_name(self.target, self.draft)
+
+    @property
     def choosing(self) -> bool:
         """Several candidates: measure them all and deploy the fastest (or none)."""
         return len(self.draft) > 1
+
+
+def default_name(target: str, drafts: list[str]) -> str:
+    """TARGET--DRAFT from the last path component of each (TARGET--auto for several candidates: chosen at build)."""
+
+    def short(spec: str) -> str:
+        stem = Path(spec.rstrip("/")).name
+        stem = stem[:-5] if stem.endswith(".gguf") else stem
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.") or "model"
+
+    return f"{short(target)}--{short(drafts[0]) if len(drafts) == 1 else 'auto'}"
 
 
 DraftKind = Literal["model", "ngram", "self", "none"]
@@ -452,7 +469,7 @@ class QuantConfig(Strict):
 BuildConfig.model_rebuild()  # resolves its NgramConfig / DraftChoiceConfig / QuantConfig fields, defined after it
 
 
-# ---- GPU backends (`specpipe build --backend tensorrt|trtllm`): what specpipe.gpu.make_plan plans.
+# ---- GPU backends (`specpipe build --backend tensorrt|trtllm`): what specpipe.build.make_plan plans.
 # Upstream names (trtllm-build flags, quantize.py qformats, tensorrtllm_backend parameters) are looked
 # up in specpipe/engines/upstream.py; these fields are specpipe's own vocabulary.
 
@@ -500,6 +517,10 @@ class GpuBuildConfig(Strict):
     draft_len_schedule: Optional[dict[int, int]] = Field(
         None,
         description="llmapi flow: {batch size: draft length} for TensorRT-LLM's in-flight batching (0 = no speculation);"
-        " None = K below batch 4, halved at 4 and at each doubling after (specpipe.gpu.trtllm.default_draft_len_schedule)",
+        " None = K below batch 4, halved at 4 and at each doubling after (specpipe.build.trtllm.default_draft_len_schedule)",
     )
     dry_run: bool = Field(False, description="print the plan and write the Triton repository; run no GPU step")
+
+    @property
+    def output_name(self) -> str:
+        return self.name or default_name(self.target, [self.draft])

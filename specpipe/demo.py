@@ -120,8 +120,9 @@ def build_engines(demo: Demo) -> str:
     """Build with two candidate drafts, the distilled model and prompt lookup, and deploy whichever the
     build measures fastest on this machine, or the target alone when neither beats it (build's
     `draft_choice`). Rebuilt only when the target, the draft's weights or the build settings changed."""
-    from specpipe.build import SERVED_MODEL, build
+    from specpipe.build import build
     from specpipe.checkpoint import weights_sha256
+    from specpipe.triton.repository import DEFAULT_MODEL_NAME
 
     folder = demo.engines_dir / NAME
     manifest_path = folder / "manifest.json"
@@ -130,7 +131,7 @@ def build_engines(demo: Demo) -> str:
     cfg = BuildConfig(target=TARGET, draft=[str(demo.draft_path), "ngram"], name=NAME, engines_dir=demo.engines_dir,
                       repo_dir=demo.repo_dir, force=True,
                       draft_quant=QuantConfig(mode=DRAFT_QUANT, accept_accuracy_loss=True))
-    if manifest_path.is_file() and (demo.repo_dir / SERVED_MODEL).exists():
+    if manifest_path.is_file() and (demo.repo_dir / DEFAULT_MODEL_NAME).exists():
         manifest = json.loads(manifest_path.read_text())
         measured = {c.get("weights_sha256") for c in manifest.get("draft_choice", {}).get("candidates", [])}
         same_settings = manifest.get("build") == json.loads(cfg.model_dump_json())

@@ -44,7 +44,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("triton", ("specpipe.triton",)),
     ("gate", ("specpipe.gate",)),
     ("measure", ("specpipe.bench", "specpipe.distill")),
-    ("build", ("specpipe.build", "specpipe.draft_choice", "specpipe.gpu")),
+    ("build", ("specpipe.build", "specpipe.build.draft_choice", "specpipe.gpu")),
     ("commands", ("specpipe.commands", "specpipe.demo")),
     ("cli", ("specpipe.cli", "specpipe.__main__")),
 )
@@ -99,7 +99,7 @@ def stage_of(module: str) -> tuple[int, str]:
 
 
 def _unit(module: str) -> str:
-    """The folder or top-level module a module belongs to: specpipe.gpu.plan -> specpipe.gpu."""
+    """The folder or top-level module a module belongs to: specpipe.build.plan -> specpipe.gpu."""
     return ".".join(module.split(".")[:2])
 
 
@@ -172,6 +172,6 @@ def test_no_import_circles():
 
 def test_the_checks_catch_what_they_check():
     """A planted backward edge and a planted circle are reported (the checks can fail)."""
-    assert stage_of("specpipe.engines.tensorrt")[0] < stage_of("specpipe.gpu.plan")[0]
+    assert stage_of("specpipe.engines.tensorrt")[0] < stage_of("specpipe.build.plan")[0]
     assert circles({("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")}) == [["a", "b", "c"]]
     assert circles({("a", "b"), ("b", "c")}) == []

@@ -26,8 +26,8 @@ def _tensorrt_llm():
 def written(tiny_target, tiny_draft, tmp_path_factory) -> dict:
     """The plan's files for the tiny pair, with the resolve step's links made by hand (no hub)."""
     from specpipe.config import GpuBuildConfig
-    from specpipe.gpu import make_plan, write_plan_repository
-    from specpipe.gpu.plan import SERVE_CONFIG
+    from specpipe.build import make_plan, write_plan_repository
+    from specpipe.build.plan import SERVE_CONFIG
 
     _tensorrt_llm()
     root = tmp_path_factory.mktemp("llmapi")

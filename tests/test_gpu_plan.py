@@ -17,8 +17,8 @@ import yaml
 
 from specpipe.config import GpuBuildConfig
 from specpipe.errors import IncompatiblePairError, UsageError
-from specpipe.gpu import GpuMemoryError, make_plan, render_plan, write_plan_repository
-from specpipe.gpu.memory import GB, kv_bytes_per_token
+from specpipe.build import GpuMemoryError, make_plan, render_plan, write_plan_repository
+from specpipe.build.memory import GB, kv_bytes_per_token
 from specpipe.checkpoint.shape import resolve_shape, shape_from_config
 from specpipe.engines.tensorrt_build import optimization_profiles, select_profile
 from specpipe.triton.model_config import parse_config, read_config
@@ -444,7 +444,7 @@ def test_defect7_tensorrt_int8_plan_asks_for_symmetric_activations(tmp_path, smo
 
 
 def test_default_draft_len_schedule_shortens_drafts_as_the_batch_grows():
-    from specpipe.gpu.trtllm import check_draft_len_schedule, default_draft_len_schedule
+    from specpipe.build.trtllm import check_draft_len_schedule, default_draft_len_schedule
 
     assert default_draft_len_schedule(8, 8) == {1: 8, 4: 4, 8: 2}
     assert default_draft_len_schedule(4, 64) == {1: 4, 4: 2, 8: 1, 16: 0}

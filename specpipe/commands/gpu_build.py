@@ -84,8 +84,8 @@ def gpu_build(gpu: dict, options: dict, *, as_json: bool) -> None:
     """Plan (and, without --dry-run, run) a GPU build; print the plan or the result."""
     from rich.console import Console
 
-    from specpipe.gpu import make_plan, render_plan, write_plan_repository
-    from specpipe.gpu.run import run_plan
+    from specpipe.build import make_plan, render_plan, write_plan_repository
+    from specpipe.build.run import run_plan
 
     fields = {
         "target": options["target"], "draft": options["draft"], "name": options.get("name"),

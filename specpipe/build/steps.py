@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-# What a step needs on the machine that runs it (specpipe/gpu/env.py checks each key).
+# What a step needs on the machine that runs it (specpipe/build/run.py missing_requirements checks each key).
 Need = Literal["cuda", "tensorrt", "tensorrt_llm", "trtllm-build", "trtllm-checkout", "modelopt", "modelopt-checkout", "hub"]
 
 

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specpipe.engines import upstream
 from specpipe.checkpoint.shape import ModelShape
-from specpipe.gpu.steps import Step
+from specpipe.build.steps import Step
 
 # trtllm-build's own default (gh-pages 1.2.1/commands/trtllm-build.html); raised to max_input_len so a
 # whole prompt fits one context step.

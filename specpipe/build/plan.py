@@ -1,6 +1,6 @@
 """`make_plan(cfg) -> Plan`: every step of a GPU build, every file it writes, and the memory it needs per GPU,
 decided before anything runs. `render_plan(plan)` prints it for a person; `plan.model_dump_json()` for
-scripts. The runner (specpipe/gpu/run.py) executes the same steps where CUDA and the packages exist.
+scripts. The runner (specpipe/build/run.py) executes the same steps where CUDA and the packages exist.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pydantic import BaseModel, ConfigDict
 from specpipe.config import GpuBuildConfig
 from specpipe.errors import UsageError
 from specpipe.engines import upstream
-from specpipe.gpu.memory import MemoryPlan, model_memory, place, valid_tp
+from specpipe.build.memory import MemoryPlan, model_memory, place, valid_tp
 from specpipe.checkpoint.shape import ModelShape, resolve_shape
-from specpipe.gpu.steps import Step
+from specpipe.build.steps import Step
 from specpipe.engines.tensorrt_build import PLAN_FILE, optimization_profiles
-from specpipe.gpu.trtllm import (
+from specpipe.build.trtllm import (
     Limits,
     ModelJob,
     check_draft_len_schedule,
@@ -115,9 +115,7 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
         max_seq_len=max_seq_len, max_draft_len=cfg.max_draft_len, calib_size=cfg.calib_size,
     )  # fmt: skip
 
-    from specpipe.build import default_name
-
-    name = cfg.name or default_name(cfg.target, cfg.draft)
+    name = cfg.output_name
     work = Path(cfg.engines_dir) / name
     shared = cfg.draft_placement == "shared"
     target_gpus = tuple(range(cfg.tp_size))
@@ -150,7 +148,7 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
             steps.append(
                 Step(
                     id="serve_config", title="write trtllm-serve's LLM-API YAML (speculative_config, in-flight batching)",
-                    kind="write", writes=(str(work / SERVE_CONFIG),), source="specpipe/gpu/trtllm.py LlmApiArgs",
+                    kind="write", writes=(str(work / SERVE_CONFIG),), source="specpipe/build/trtllm.py LlmApiArgs",
                 )  # fmt: skip
             )
             steps.append(
@@ -356,7 +354,7 @@ def _kv_cache_dtypes(cfg: GpuBuildConfig, notes: list) -> tuple[str, str]:
 
 
 def _llmapi_target_dir(job: ModelJob) -> Path:
-    from specpipe.gpu.trtllm import llmapi_model_dir
+    from specpipe.build.trtllm import llmapi_model_dir
 
     return llmapi_model_dir(job)
 
@@ -395,7 +393,7 @@ def _deployment_step(cfg: GpuBuildConfig, work: Path, repo: Optional[Path]) -> l
             kwargs={"target": cfg.target, "draft": cfg.draft, "name": work.name, "engines_dir": str(cfg.engines_dir),
                     "repo_dir": str(repo) if repo else None, "max_draft_len": cfg.max_draft_len},
             writes=(str(work / "manifest.json"), str(work / "tokenizer"), str(work / "target"), str(work / "draft")),
-            source="specpipe/build.py",
+            source="specpipe/build/cpu.py",
         )  # fmt: skip
     ]
 
@@ -506,7 +504,7 @@ def repository_models(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits,
     if cfg.backend != "trtllm":
         return []
     if cfg.trtllm_flow == "llmapi":
-        from specpipe.gpu.trtllm import TritonSpec
+        from specpipe.build.trtllm import TritonSpec
 
         triton = TritonSpec()  # the same object writes model.yaml's triton_config
         return trtllm_repo.llmapi_models(max_batch_size=triton.max_batch_size, decoupled=triton.decoupled)
@@ -580,7 +578,7 @@ def _draft_job(jobs: list[ModelJob]) -> Optional[ModelJob]:
 def _planned(job: ModelJob, cfg: GpuBuildConfig, work: Path) -> PlannedModel:
     artifacts = job.engine_dir if cfg.backend == "trtllm" else tensorrt_engine_dir(work, job.role)
     if cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi":
-        from specpipe.gpu.trtllm import llmapi_model_dir
+        from specpipe.build.trtllm import llmapi_model_dir
 
         artifacts = llmapi_model_dir(job)
     return PlannedModel(
@@ -632,7 +630,7 @@ def render_plan(plan: Plan) -> str:
 def _render_memory(memory: MemoryPlan) -> str:
     t, d = memory.target, memory.draft
     lines = [
-        "GPU memory (estimate, GB = 1e9 bytes; see specpipe/gpu/memory.py for the rules):",
+        "GPU memory (estimate, GB = 1e9 bytes; see specpipe/build/memory.py for the rules):",
         f"  target weights {t.weights_total_gb:.1f} GB in all, {t.weights_gb:.2f} per rank x {t.tp}; KV {t.kv_bytes_per_token} B/token/rank x {t.kv_tokens} tokens",
     ]
     if d is not None:

@@ -17,8 +17,8 @@ from typing import Callable, Optional
 from specpipe.config import GpuBuildConfig
 from specpipe.errors import EngineError, SpecpipeError
 from specpipe.engines import upstream
-from specpipe.gpu.plan import PLAN_JSON, Plan, tensorrt_engine_dir, write_plan_repository
-from specpipe.gpu.steps import Step
+from specpipe.build.plan import PLAN_JSON, Plan, tensorrt_engine_dir, write_plan_repository
+from specpipe.build.steps import Step
 
 Progress = Callable[[str], None]
 
@@ -228,7 +228,7 @@ def _model_py(step, plan, cfg, context, work):
 
 
 def _serve_config(step, plan, cfg, context, work):
-    from specpipe.gpu.plan import write_serve_config
+    from specpipe.build.plan import write_serve_config
 
     write_serve_config(plan, cfg)
 
@@ -238,7 +238,7 @@ def _llm_args(step, plan, cfg, context, work):
     import yaml
     from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
 
-    from specpipe.gpu.trtllm import llmapi_model_dir
+    from specpipe.build.trtllm import llmapi_model_dir
 
     target = next(job for job in _jobs(plan) if job.role == "target")
     try:
@@ -248,7 +248,7 @@ def _llm_args(step, plan, cfg, context, work):
 
 
 def _jobs(plan):
-    from specpipe.gpu.plan import _jobs_from_plan
+    from specpipe.build.plan import _jobs_from_plan
 
     return _jobs_from_plan(plan)
 

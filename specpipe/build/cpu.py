@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -23,35 +22,23 @@ from specpipe.export.onnx import check_export, export_onnx
 from specpipe.machine import describe_machine
 from specpipe.manifest import file_hashes, library_versions, now_iso, write_manifest
 from specpipe.speculative.adaptive import StepCosts
+from specpipe.triton.repository import DEFAULT_MODEL_NAME, write_repository
 
 Progress = Callable[[str], None]
-SERVED_MODEL = "ensemble"  # the model name TensorRT-LLM's Triton clients ask for by default
-
-
-def default_name(target: str, draft: str | list[str]) -> str:
-    def short(spec: str) -> str:
-        stem = Path(spec.rstrip("/")).name
-        stem = stem[:-5] if stem.endswith(".gguf") else stem
-        return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.") or "model"
-
-    drafts = [draft] if isinstance(draft, str) else draft
-    return f"{short(target)}--{short(drafts[0]) if len(drafts) == 1 else 'auto'}"  # auto: chosen at build
-
-
 def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     """Build engines/<name>/ (and the Triton repository when cfg.repo_dir is set). Returns the folder.
 
     One --draft is built and deployed as given. Several are each built and measured against the target
-    alone, and the fastest is deployed, or none (specpipe/draft_choice.py); the others are not kept."""
+    alone, and the fastest is deployed, or none (specpipe/build/draft_choice.py); the others are not kept."""
     from specpipe.checkpoint import check_pair, inspect_checkpoint, load_tokenizer, resolve_checkpoint, tokenizer_hash
 
     say = progress or (lambda msg: None)
-    name = cfg.name or default_name(cfg.target, cfg.draft)
+    name = cfg.output_name
     final = Path(cfg.engines_dir) / name
     if final.exists() and not cfg.force:
         raise OutputExistsError(f"{final} exists; pass --force to replace it")
-    if cfg.repo_dir is not None and (Path(cfg.repo_dir) / SERVED_MODEL).exists() and not cfg.force:
-        raise OutputExistsError(f"{Path(cfg.repo_dir) / SERVED_MODEL} exists; pass --force to replace it")
+    if cfg.repo_dir is not None and (Path(cfg.repo_dir) / DEFAULT_MODEL_NAME).exists() and not cfg.force:
+        raise OutputExistsError(f"{Path(cfg.repo_dir) / DEFAULT_MODEL_NAME} exists; pass --force to replace it")
     from specpipe.quantize import check_kv_cache_dtype
 
     check_kv_cache_dtype(cfg.quant, cfg.backend)  # refuse, never silently ignore, a KV precision we cannot do
@@ -117,10 +104,8 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         )
     say(f"wrote {final} in {time.perf_counter() - started:.1f} s")
     if cfg.repo_dir is not None:
-        from specpipe.triton.repository import write_repository
-
         model_dir = write_repository(final, Path(cfg.repo_dir), instance_count=cfg.triton_instances,
-                                     model_name=SERVED_MODEL, force=True)
+                                     model_name=DEFAULT_MODEL_NAME, force=True)
         say(f"wrote the Triton model repository {model_dir}")
     return final
 
@@ -149,7 +134,7 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
     """Build every candidate in stage/candidates/<i>, measure them all against the target alone, and move the
     chosen one's files into the stage; the others are removed with that folder.
     Returns (the chosen draft's manifest entry, its step costs, the manifest's `draft_choice`)."""
-    from specpipe import draft_choice
+    from specpipe.build import draft_choice
     from specpipe.deployment import make_drafter
     from specpipe.speculative.adaptive import measure_step_costs
 
@@ -218,7 +203,7 @@ def _predict(spec: str, entry: dict, draft_ckpt, costs: StepCosts, cfg: BuildCon
     """A single model draft's predicted speedup (adaptive K's model with this machine's step costs), when an
     earlier measurement gives its acceptance: its distill record's held-out agreement, or a self-draft's
     top-1 agreement. Recorded in `entry`; a warning when below 1.0x (the draft makes decoding slower)."""
-    from specpipe.draft_choice import MODEL_KINDS, adaptive_ceiling
+    from specpipe.build.draft_choice import MODEL_KINDS, adaptive_ceiling
     from specpipe.speculative.adaptive import predicted_speedup
 
     if entry["kind"] not in MODEL_KINDS:
