@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from specpipe.config import GenerationConfig, NgramConfig
+from specpipe.config import GenerationConfig
 from specpipe.engines import Engine, load_engine
 from specpipe.errors import EngineError
-from specpipe.manifest import read_manifest
+from specpipe.manifest import DraftEntry, Manifest, read_manifest
 from specpipe.speculative.adaptive import StepCosts
 from specpipe.speculative.drafters import Drafter, ModelDrafter
 from specpipe.speculative.generator import SpecGenerator
@@ -19,7 +19,7 @@ from specpipe.speculative.ngram import NgramDrafter
 @dataclass
 class Deployment:
     folder: Path
-    manifest: dict
+    manifest: Manifest
     tokenizer: object
     target: Engine
     drafter: Optional[Drafter]
@@ -32,7 +32,7 @@ class Deployment:
 
     @property
     def max_draft_len(self) -> int:
-        return int(self.manifest.get("max_draft_len", 8))
+        return self.manifest.max_draft_len
 
     def generation_config(self, **overrides) -> GenerationConfig:
         return bounded_generation_config(self.max_draft_len, **overrides)
@@ -50,18 +50,15 @@ def bounded_generation_config(max_draft_len: int, **overrides) -> GenerationConf
     return cfg
 
 
-def make_drafter(folder: Path, draft: dict, target: Engine, threads: int) -> Optional[Drafter]:
+def make_drafter(folder: Path, draft: DraftEntry, target: Engine, threads: int) -> Optional[Drafter]:
     """The drafter the manifest's `draft` section describes: kind model, self (the target quantized: a
     model draft too), ngram (prompt lookup, no engine), or none (the target alone: build found no draft
     that made decoding faster; every request then decodes target-only)."""
-    kind = draft.get("kind", "model")
-    if kind == "none":
+    if draft.kind == "none":
         return None
-    if kind in ("model", "self"):
-        return ModelDrafter(load_engine(folder / draft["engine"]["path"], threads=threads), target.vocab_size)
-    if kind == "ngram":
-        return NgramDrafter.from_config(NgramConfig(**draft["ngram"]))
-    raise EngineError(f"{folder}: unknown draft kind {kind!r} in manifest")
+    if draft.kind == "ngram":
+        return NgramDrafter.from_config(draft.ngram)
+    return ModelDrafter(load_engine(folder / draft.engine.path, threads=threads), target.vocab_size)
 
 
 def load_deployment(folder: str | Path, *, threads: int = 2) -> Deployment:
@@ -69,11 +66,10 @@ def load_deployment(folder: str | Path, *, threads: int = 2) -> Deployment:
 
     folder = Path(folder)
     manifest = read_manifest(folder)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest["tokenizer"]["path"]))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest.tokenizer.path))
     # Builds record how the target must run for a 1-token step to score like a verify row (engines/onnxruntime.py).
-    target = load_engine(folder / manifest["target"]["engine"]["path"], threads=threads,
-                         min_rows=int(manifest["target"].get("min_rows_per_call", 1)))
-    drafter = make_drafter(folder, manifest["draft"], target, threads)
-    costs = StepCosts(**manifest["step_costs"]) if "step_costs" in manifest else None  # None: the drafter's defaults
-    generator = SpecGenerator(target, drafter, tokenizer, manifest.get("eos_token_ids", ()), costs)
+    target = load_engine(folder / manifest.target.engine.path, threads=threads, min_rows=manifest.target.min_rows_per_call)
+    drafter = make_drafter(folder, manifest.draft, target, threads)
+    # step_costs None (built before they were measured): the drafter's defaults
+    generator = SpecGenerator(target, drafter, tokenizer, manifest.eos_token_ids, manifest.step_costs)
     return Deployment(folder, manifest, tokenizer, target, drafter, generator)

@@ -17,15 +17,16 @@ PACKAGE = Path(specpipe.__file__).parent
 # The stages in the order data flows through them, earliest first. A module may import its own stage and
 # earlier ones, never a later one. A name covers that module or package and everything under it.
 #
-#   foundation    errors, the config tree, the manifest and the machine record: what every stage speaks
+#   foundation    errors, the config tree and the machine record: what every stage speaks
 #   checkpoint    resolve, load and describe a checkpoint; the model facts (alias registry)
 #   export        Hugging Face -> ONNX, checked against torch
 #   engines       the runtimes behind one Engine interface (ONNX Runtime, TensorRT), engine.json. Below
 #                 quantize: quantization rewrites an engine's graph and measures the result by running it
 #                 (accuracy, speed), so it needs the runtime, while no runtime needs the quantizer
 #   quantize      weight-only, W8A8 and fp8 graphs, calibration, accuracy budgets
-#   speculative   drafters, the acceptance rule and the decoding loop; deployment.py opens a built folder
-#                 as engines + drafter; testing/ holds the tiny models and engines tests share
+#   speculative   drafters, the acceptance rule and the decoding loop
+#   deployment    a built folder: its manifest (the contract build writes and every later stage reads) and
+#                 deployment.py, which opens it as engines + drafter; testing/ holds what tests share
 #   triton        the served repository (model config, Python model, client and server)
 #   gate          the validation gate: greedy, distribution, quantization and latency checks
 #   measure       bench (speed on prompt sets) and distill (train a draft): each runs a deployment; neither
@@ -35,19 +36,21 @@ PACKAGE = Path(specpipe.__file__).parent
 #   commands      the click commands, and the demo that strings them together
 #   cli           the command group and `python -m specpipe`
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundation", ("specpipe", "specpipe.errors", "specpipe.config", "specpipe.manifest", "specpipe.machine")),
+    ("foundation", ("specpipe", "specpipe.errors", "specpipe.config", "specpipe.machine")),
     ("checkpoint", ("specpipe.checkpoint",)),
     ("export", ("specpipe.export",)),
     ("engines", ("specpipe.engines",)),
     ("quantize", ("specpipe.quantize",)),
-    ("speculative", ("specpipe.speculative", "specpipe.deployment", "specpipe.testing")),
+    ("speculative", ("specpipe.speculative",)),
+    ("deployment", ("specpipe.manifest", "specpipe.deployment", "specpipe.testing")),
     ("triton", ("specpipe.triton",)),
     ("gate", ("specpipe.gate",)),
     ("measure", ("specpipe.bench", "specpipe.distill")),
-    ("build", ("specpipe.build", "specpipe.build.draft_choice", "specpipe.gpu")),
+    ("build", ("specpipe.build",)),
     ("commands", ("specpipe.commands", "specpipe.demo")),
     ("cli", ("specpipe.cli", "specpipe.__main__")),
 )
+
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)

@@ -83,7 +83,7 @@ def test_quantized_target_speculative_greedy_is_the_targets_own(quantized_target
         spec = deployment.generator.generate(prompt, cfg)
         base = deployment.generator.generate(prompt, cfg.model_copy(update={"speculative": False}))
         assert_greedy_equivalent(deployment, prompt, spec.token_ids, base.token_ids)
-        if deployment.manifest["target"]["verify_consistency"]["exact"]:
+        if deployment.manifest.target.verify_consistency.exact:
             assert spec.token_ids == base.token_ids  # bit-identical scoring: not even a near-tie may differ
 
 

@@ -12,6 +12,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from specpipe.errors import EngineError, OutputExistsError, UsageError
+from specpipe.manifest import Manifest, write_manifest
 from specpipe.triton import ModelSpec, TensorSpec, parse_config, read_config, served_model_spec, write_repository
 from specpipe.triton.model_config import DynamicBatching, EnsembleStep
 from specpipe.triton.protocol import EXTENSION_INPUTS, EXTENSION_OUTPUTS, parse_request
@@ -254,7 +255,9 @@ def fake_build(tmp_path):
     """Just enough of engines/<name>/ for the writer (it does not open engines)."""
     build = tmp_path / "engines" / "tiny"
     (build / "target").mkdir(parents=True)
-    (build / "manifest.json").write_text(json.dumps({"format": 1, "name": "tiny"}))
+    manifest = Manifest(name="tiny", created="", tokenizer={"hash": "h"}, target={"source": "t", "engine": {"path": "target"}},
+                        draft={"kind": "none"})
+    write_manifest(build, manifest)
     (build / "target" / "model.onnx").write_bytes(b"\0" * 1024)
     return build
 

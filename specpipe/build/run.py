@@ -8,7 +8,6 @@ everything it lacks at once and nothing is half-built.
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -178,14 +177,13 @@ def _engine(step, plan, cfg, context, work):
 
 
 def _manifest(step, plan, cfg, context, work):
-    from specpipe.manifest import file_hashes
+    from specpipe.manifest import EngineRecord, file_hashes, read_manifest, write_manifest
 
-    path = work / "manifest.json"
-    manifest = json.loads(path.read_text())
-    for role in ("target", "draft"):
+    manifest = read_manifest(work)
+    for entry, role in ((manifest.target, "target"), (manifest.draft, "draft")):
         folder = tensorrt_engine_dir(work, role)
-        manifest[role]["engine"] = {"path": folder.name, "backend": "tensorrt", "files": file_hashes(folder)}
-    path.write_text(json.dumps(manifest, indent=2) + "\n")
+        entry.engine = EngineRecord(path=folder.name, backend="tensorrt", quant=entry.engine.quant, files=file_hashes(folder))
+    write_manifest(work, manifest)
 
 
 def _repository(step, plan, cfg, context, work):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -12,6 +13,9 @@ from specpipe.config import (AccuracyBudget, BuildConfig, DraftChoiceConfig, Ngr
                              field_help, make_config)
 from specpipe.errors import UsageError
 from specpipe.quantize.pipeline import MODE_HELP
+
+if TYPE_CHECKING:
+    from specpipe.manifest import Manifest
 
 _QUANT_MODES = click.Choice(["none", "int8-wo", "int4-wo", "int8", "fp8"])
 
@@ -82,6 +86,7 @@ def build(as_json: bool, no_repo: bool, **options) -> None:
     from rich.console import Console
 
     from specpipe.build import build as build_pair
+    from specpipe.manifest import read_manifest
 
     if no_repo:
         options["repo_dir"] = None
@@ -98,47 +103,44 @@ def build(as_json: bool, no_repo: bool, **options) -> None:
     console = Console(stderr=True)
     with console.status("building") as status:
         folder = build_pair(cfg, progress=lambda msg: (status.update(msg), console.log(msg)))
-    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest = read_manifest(folder)
     if as_json:
-        click.echo(json.dumps(manifest, indent=2))
+        click.echo(json.dumps(manifest.as_dict(), indent=2))
     else:
         _print_summary(folder, manifest)
-    for warning in manifest.get("warnings", []):
+    for warning in manifest.warnings:
         click.echo(f"warning: {warning}", err=True)
 
 
-def _print_summary(folder: Path, manifest: dict) -> None:
-    t, d = manifest["target"], manifest["draft"]
+def _print_summary(folder: Path, manifest: Manifest) -> None:
+    t, d = manifest.target, manifest.draft
     click.echo(f"built {folder}")
-    click.echo(f"  target {t['source']}: max |logit diff| vs torch {t['export_check']['max_abs_diff']:.2e}")
-    if "export_check" in d:
-        click.echo(f"  draft  {d['source']}: max |logit diff| vs torch {d['export_check']['max_abs_diff']:.2e}")
-        if "vocab" in d:
-            click.echo(f"  draft  head scores its {d['vocab']['size']} most used tokens "
-                       f"({d['vocab']['coverage']:.1%} of its training tokens)")
-    elif d["kind"] == "self":
-        click.echo(f"  draft  {d['source']}: top-1 agreement with the target "
-                   f"{d['quant']['accuracy']['top1_agreement']:.3f}")
-    elif d["kind"] == "ngram":
-        click.echo(f"  draft  prompt lookup (n-grams {d['ngram']['ngram_min']}..{d['ngram']['ngram_max']})")
+    click.echo(f"  target {t.source}: max |logit diff| vs torch {t.export_check.max_abs_diff:.2e}")
+    if d.kind == "model":
+        click.echo(f"  draft  {d.source}: max |logit diff| vs torch {d.export_check.max_abs_diff:.2e}")
+        if d.vocab is not None:
+            click.echo(f"  draft  head scores its {d.vocab.size} most used tokens ({d.vocab.coverage:.1%} of its training tokens)")
+    elif d.kind == "self":
+        click.echo(f"  draft  {d.source}: top-1 agreement with the target {d.quant.accuracy.top1_agreement:.3f}")
+    elif d.kind == "ngram":
+        click.echo(f"  draft  prompt lookup (n-grams {d.ngram.ngram_min}..{d.ngram.ngram_max})")
     else:
         click.echo("  draft  none: the target alone decodes every request")
-    if "prediction" in d:
-        p = d["prediction"]
-        click.echo(f"  draft  predicted {p['speedup']:.2f}x the target alone (acceptance {p['acceptance']:.2f}, "
-                   f"{p['acceptance_from']})")
-    choice = manifest.get("draft_choice")
+    prediction = getattr(d, "prediction", None)
+    if prediction is not None:
+        click.echo(f"  draft  predicted {prediction.speedup:.2f}x the target alone (acceptance {prediction.acceptance:.2f}, "
+                   f"{prediction.acceptance_from})")
+    choice = manifest.draft_choice
     if choice:
-        sample = choice["sample"]
-        click.echo(f"  candidates, greedy with adaptive K on {choice['candidates'][0]['prompts']} bench prompts "
-                   f"({' + '.join(sample['prompt_sets'])}), {sample['new_tokens']} new tokens each:")
-        for m in choice["candidates"]:
-            accepted = "" if m["acceptance_rate"] is None else f"  acceptance {m['acceptance_rate']:.2f}"
-            predicted = "" if m["predicted_speedup"] is None else f"  predicted {m['predicted_speedup']:.2f}x"
-            mark = "*" if m["draft"] == choice["chosen"] else " "
-            click.echo(f"   {mark} {m['draft']:<28} {m['tokens_per_s']:7.1f} tok/s  {m['speedup']:.2f}x{accepted}{predicted}")
-        click.echo(f"  deployed {choice['chosen']}: {choice['reason']}")
-    click.echo(f"  took {manifest['timings_s']['total_s']:.1f} s")
+        click.echo(f"  candidates, greedy with adaptive K on {choice.candidates[0].prompts} bench prompts "
+                   f"({' + '.join(choice.sample.prompt_sets)}), {choice.sample.new_tokens} new tokens each:")
+        for m in choice.candidates:
+            accepted = "" if m.acceptance_rate is None else f"  acceptance {m.acceptance_rate:.2f}"
+            predicted = "" if m.predicted_speedup is None else f"  predicted {m.predicted_speedup:.2f}x"
+            mark = "*" if m.draft == choice.chosen else " "
+            click.echo(f"   {mark} {m.draft:<28} {m.tokens_per_s:7.1f} tok/s  {m.speedup:.2f}x{accepted}{predicted}")
+        click.echo(f"  deployed {choice.chosen}: {choice.reason}")
+    click.echo(f"  took {manifest.timings_s['total_s']:.1f} s")
 
 
 def _quant_configs(options: dict) -> tuple[QuantConfig, QuantConfig]:

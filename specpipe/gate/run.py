@@ -42,8 +42,8 @@ def run_gate(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specpipe.machine import describe_machine
-    from specpipe.manifest import library_versions, now_iso
+    from specpipe.machine import describe_machine, library_versions
+    from specpipe.manifest import now_iso
 
     started_iso, started = now_iso(), time.perf_counter()
     console = Console(stderr=True, quiet=not progress)
