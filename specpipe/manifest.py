@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serial
 
 from specpipe.config import AccuracyBudget, NgramConfig, QuantMode
 from specpipe.errors import EngineError
+from specpipe.machine import library_versions
 from specpipe.quantize.accuracy import AccuracyReport
 from specpipe.speculative.adaptive import StepCosts
 
@@ -218,6 +219,12 @@ class Manifest(_Part):
     warnings: list[str] = Field(default_factory=list)
     timings_s: dict[str, float] = Field(default_factory=dict)
 
+    @classmethod
+    def new(cls, **fields) -> "Manifest":
+        """A manifest written now, by this specpipe and these libraries."""
+        versions = library_versions()
+        return cls(created=now_iso(), specpipe_version=versions["specpipe"], versions=versions, **fields)
+
     @model_validator(mode="before")
     @classmethod
     def _first_drafts_were_models(cls, data: Any) -> Any:
@@ -225,6 +232,15 @@ class Manifest(_Part):
         if isinstance(data, dict) and isinstance(data.get("draft"), dict) and "kind" not in data["draft"]:
             data = {**data, "draft": {**data["draft"], "kind": "model"}}
         return data
+
+    def deployment_paths(self) -> list[str]:
+        """The deployment, relative to its folder: this manifest, the tokenizer and every engine folder it names
+        (the unquantized engines kept for `validate --remeasure` too); a build's work files are not in it."""
+        paths = [MANIFEST, self.tokenizer.path]
+        for entry in (self.target, self.draft):
+            if isinstance(entry, (ModelEntry, SelfDraft)):
+                paths += [entry.engine.path] + ([entry.quant.reference_path] if entry.quant and entry.quant.reference_path else [])
+        return list(dict.fromkeys(paths))
 
     def as_dict(self) -> dict[str, Any]:
         """The manifest as JSON values, as write_manifest writes it."""

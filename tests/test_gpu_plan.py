@@ -536,10 +536,25 @@ def test_smollm2_trtllm_plan(tmp_path, smollm2_draft):
     assert "compared token by token" in " ".join(plan.notes)  # a folder draft: checked when resolved
 
 
+def test_tensorrt_plan_exports_each_model_once_and_runs_no_cpu_build(tmp_path, smollm2_draft):
+    """The TensorRT deployment is built from one export per model; the manifest and specpipe's repository are
+    written for its engines (issue 15: the plan ran the whole CPU build, exports included, first)."""
+    plan = make_plan(_cfg(tmp_path, backend="tensorrt", target="smollm2-135m", draft=str(smollm2_draft)))
+    assert [s.role for s in plan.steps if s.kind == "export"] == ["target", "draft"]
+    assert not [s for s in plan.steps if (s.call or "").startswith("specpipe.build")]
+    export = _step(plan, "draft.export")
+    assert export.kwargs["checkpoint"] == str(tmp_path / "engines" / plan.name / "hf" / "draft")  # the resolved folder
+    manifest, repository = _step(plan, "manifest"), _step(plan, "repository")
+    assert manifest.gpu and manifest.writes == (str(tmp_path / "engines" / plan.name / "manifest.json"),)
+    assert repository.writes == (str(tmp_path / "repo" / "ensemble"),)
+    assert plan.target.artifacts == str(tmp_path / "engines" / plan.name / "target")
+
+
 def test_smollm2_tensorrt_plan_and_profiles(tmp_path, smollm2_draft):
     plan = make_plan(_cfg(tmp_path, backend="tensorrt", target="smollm2-135m", draft=str(smollm2_draft), repo_dir=None))
     ids = [s.id for s in plan.steps]
-    assert ids[:4] == ["deployment", "target.export", "target.autocast", "target.engine"]
+    assert ids[:6] == ["target.resolve", "draft.resolve", "tokenizer", "target.export", "target.autocast", "target.engine"]
+    assert ids[-2:] == ["manifest", "plan"]
     engine = _step(plan, "target.engine")
     assert engine.call == "tensorrt.Builder.build_serialized_network" and engine.kwargs["network_flags"] == ["STRONGLY_TYPED"]
     assert set(engine.kwargs["profiles"]) == {"prefill", "decode", "verify"}

@@ -255,6 +255,8 @@ def fake_build(tmp_path):
     """Just enough of engines/<name>/ for the writer (it does not open engines)."""
     build = tmp_path / "engines" / "tiny"
     (build / "target").mkdir(parents=True)
+    (build / "tokenizer").mkdir()
+    (build / "onnx").mkdir()  # a GPU build's work files: not part of the deployment
     manifest = Manifest(name="tiny", created="", tokenizer={"hash": "h"}, target={"source": "t", "engine": {"path": "target"}},
                         draft={"kind": "none"})
     write_manifest(build, manifest)
@@ -274,6 +276,7 @@ def test_write_repository_layout_links_and_force(fake_build, tmp_path):
     # same filesystem: hard links, no second copy of the weights
     assert os.stat(engine / "target" / "model.onnx").st_ino == os.stat(fake_build / "target" / "model.onnx").st_ino
     assert read_config(model_dir).instance_group[0].count == 2
+    assert sorted(p.name for p in engine.iterdir()) == ["manifest.json", "target", "tokenizer"]  # what the manifest names
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engines", "triton_repo"]  # no staging left behind
 
     with pytest.raises(OutputExistsError, match="pass --force"):

@@ -19,7 +19,7 @@ from specpipe.config import BuildConfig, draft_kind
 from specpipe.engines.onnxruntime import TARGET_MIN_ROWS, OrtEngine, optimize_for_cpu, write_engine_meta
 from specpipe.errors import ExportError, OutputExistsError, UsageError
 from specpipe.export.onnx import check_export, export_onnx
-from specpipe.machine import describe_machine, library_versions
+from specpipe.machine import describe_machine
 from specpipe.manifest import (
     ChoiceSample,
     ConsistencyRecord,
@@ -38,7 +38,6 @@ from specpipe.manifest import (
     TokenizerRecord,
     VocabRecord,
     file_hashes,
-    now_iso,
     write_manifest,
 )
 from specpipe.speculative.adaptive import StepCosts
@@ -102,10 +101,8 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
             costs = _measure_step_costs(stage, draft_entry, cfg, target_entry.min_rows_per_call)
             warnings = _predict(cfg.draft[0], draft_entry, models.get(cfg.draft[0]), costs, cfg)
         timings["total_s"] = time.perf_counter() - started
-        versions = library_versions()
-        write_manifest(stage, Manifest(
-            name=name, created=now_iso(), specpipe_version=versions["specpipe"], versions=versions,
-            build=json.loads(cfg.model_dump_json()), tokenizer=TokenizerRecord(path="tokenizer", hash=tokenizer_hash(tokenizer)),
+        write_manifest(stage, Manifest.new(
+            name=name, build=json.loads(cfg.model_dump_json()), tokenizer=TokenizerRecord(path="tokenizer", hash=tokenizer_hash(tokenizer)),
             eos_token_ids=eos_token_ids, max_draft_len=cfg.max_draft_len, step_costs=costs,
             machine=describe_machine(cfg.threads).as_dict(),  # where step_costs and timings_s were measured
             target=target_entry, draft=draft_entry, draft_choice=choice, warnings=warnings, timings_s=timings,

@@ -10,13 +10,8 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from specpipe.config import GpuBuildConfig
-from specpipe.errors import UsageError
-from specpipe.engines import upstream
 from specpipe.build.memory import MemoryPlan, model_memory, place, valid_tp
-from specpipe.checkpoint.shape import ModelShape, resolve_shape
 from specpipe.build.steps import Step
-from specpipe.engines.tensorrt_build import PLAN_FILE, optimization_profiles
 from specpipe.build.trtllm import (
     Limits,
     ModelJob,
@@ -31,6 +26,13 @@ from specpipe.build.trtllm import (
     trtllm_serve_command,
     trtllm_serve_config,
 )
+from specpipe.checkpoint.shape import ModelShape, resolve_shape
+from specpipe.config import GpuBuildConfig
+from specpipe.engines import upstream
+from specpipe.engines.tensorrt_build import PLAN_FILE, optimization_profiles
+from specpipe.errors import UsageError
+from specpipe.manifest import MANIFEST
+from specpipe.triton.repository import DEFAULT_MODEL_NAME
 
 DEFAULT_MAX_SEQ_LEN = 8192  # cap on the target's context when --max-seq-len is not given
 SHARED_KV_FRACTION = 0.45  # each of two models on one GPU: whichever loads first leaves room for the other
@@ -70,7 +72,7 @@ class Plan(_Frozen):
     work_dir: str
     repo_dir: Optional[str]
     versions: dict[str, str]
-    limits: dict[str, int | str]
+    limits: Limits
     target: PlannedModel
     draft: Optional[PlannedModel]  # None: n-gram drafting (--draft ngram), no draft model
     steps: tuple[Step, ...]
@@ -84,6 +86,9 @@ class Plan(_Frozen):
         """Everything the build writes: step outputs, then the Triton repository."""
         written = [path for step in self.steps for path in step.writes]
         return written + [p for p in self.repository if p not in written]
+
+    def model(self, role: str) -> PlannedModel:
+        return self.target if role == "target" else self.draft
 
     @property
     def gpu_steps(self) -> list[Step]:
@@ -131,15 +136,15 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
     _check_fits(cfg, target, draft, max_seq_len, memory, notes)
 
     repo = Path(cfg.repo_dir) if cfg.repo_dir is not None else None
+    steps = _resolve_steps(cfg, work)
     if cfg.backend == "tensorrt":
         flow = "onnx"
-        steps = _deployment_step(cfg, work, repo) + _tensorrt_steps(cfg, jobs, limits, work)
+        steps += _tensorrt_steps(cfg, jobs, limits, work, repo)
         repository: list[Path] = []
         serve: tuple[str, ...] = ("specpipe", "serve", str(repo)) if repo else ()
         notes.append("the Triton repository is specpipe's own (Python backend over specpipe.speculative): engine.json names the tensorrt backend")
     else:
         flow = cfg.trtllm_flow
-        steps = _resolve_steps(cfg, work)
         kv_fraction = _kv_fraction(cfg)
         if flow == "engine":
             steps += engine_flow_steps(jobs, limits, Path(cfg.trtllm_checkout))
@@ -148,13 +153,13 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
             steps.append(
                 Step(
                     id="serve_config", title="write trtllm-serve's LLM-API YAML (speculative_config, in-flight batching)",
-                    kind="write", writes=(str(work / SERVE_CONFIG),), source="specpipe/build/trtllm.py LlmApiArgs",
+                    kind="serve_config", writes=(str(work / SERVE_CONFIG),), source="specpipe/build/trtllm.py LlmApiArgs",
                 )  # fmt: skip
             )
             steps.append(
                 Step(
                     id="llm_args", title="validate that YAML with the installed TensorRT-LLM's own TorchLlmArgs",
-                    kind="python", call="tensorrt_llm.llmapi.llm_args.TorchLlmArgs", kwargs={"config": str(work / SERVE_CONFIG)},
+                    kind="llm_args", call="tensorrt_llm.llmapi.llm_args.TorchLlmArgs", kwargs={"config": str(work / SERVE_CONFIG)},
                     needs=("tensorrt_llm",), source="tensorrt_llm/llmapi/llm_args.py",
                 )  # fmt: skip
             )
@@ -184,7 +189,7 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
             )
             notes.append("without Triton: " + " ".join(trtllm_serve_command(_llmapi_target_dir(jobs[0]), work / SERVE_CONFIG)))
     steps.append(
-        Step(id="plan", title="record the plan", kind="write", writes=(str(work / PLAN_JSON),), source="specpipe")
+        Step(id="plan", title="record the plan", kind="plan", writes=(str(work / PLAN_JSON),), source="specpipe")
     )
     versions = {"tensorrt_llm": upstream.TRTLLM_ENGINE_VERSION if cfg.backend == "trtllm" else "-", "tensorrt": f">={upstream.TENSORRT_MIN_VERSION}"}
     if cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi":
@@ -192,8 +197,7 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
     return Plan(
         backend=cfg.backend, flow=flow, name=name, work_dir=str(work), repo_dir=str(repo) if repo else None,
         versions=versions,
-        limits={"dtype": cfg.dtype, "max_batch_size": cfg.max_batch_size, "max_input_len": cfg.max_input_len,
-                "max_seq_len": max_seq_len, "max_draft_len": cfg.max_draft_len},
+        limits=limits,
         target=_planned(jobs[0], cfg, work), draft=_planned(jobs[1], cfg, work) if len(jobs) > 1 else None,
         steps=tuple(steps), repository=tuple(str(p) for p in repository), memory=memory, serve=serve, notes=tuple(notes),
     )  # fmt: skip
@@ -368,14 +372,14 @@ def _resolve_steps(cfg: GpuBuildConfig, work: Path) -> list[Step]:
         steps.append(
             Step(
                 id=f"{role}.resolve", title=f"resolve the {role} {spec} to a local Hugging Face folder",
-                kind="python", call="specpipe.checkpoint.resolve_checkpoint", kwargs={"spec": spec},
+                kind="resolve", role=role, call="specpipe.checkpoint.resolve_checkpoint", kwargs={"spec": spec},
                 writes=(str(work / "hf" / role),), needs=("hub",) if facts is not None and facts.source == "hub" else (),
                 source="specpipe/checkpoint/resolve.py",
             )  # fmt: skip
         )
     steps.append(
         Step(
-            id="tokenizer", title="save the target's tokenizer (pre/postprocessing load it)", kind="python",
+            id="tokenizer", title="save the target's tokenizer (pre/postprocessing load it)", kind="tokenizer",
             call="specpipe.checkpoint.load_tokenizer", kwargs={"path": str(work / "hf" / "target")},
             writes=(str(work / "tokenizer"),), source="specpipe/checkpoint/load.py",
         )  # fmt: skip
@@ -383,33 +387,21 @@ def _resolve_steps(cfg: GpuBuildConfig, work: Path) -> list[Step]:
     return steps
 
 
-def _deployment_step(cfg: GpuBuildConfig, work: Path, repo: Optional[Path]) -> list[Step]:
-    """The CPU build first: pair check, tokenizer, manifest, ONNX Runtime engines and specpipe's Triton
-    repository. The TensorRT engines then replace the ONNX Runtime ones in the manifest."""
-    return [
-        Step(
-            id="deployment", title="build the CPU deployment (pair check, tokenizer, manifest, repository)", kind="python",
-            call="specpipe.build.build",
-            kwargs={"target": cfg.target, "draft": cfg.draft, "name": work.name, "engines_dir": str(cfg.engines_dir),
-                    "repo_dir": str(repo) if repo else None, "max_draft_len": cfg.max_draft_len},
-            writes=(str(work / "manifest.json"), str(work / "tokenizer"), str(work / "target"), str(work / "draft")),
-            source="specpipe/build/cpu.py",
-        )  # fmt: skip
-    ]
-
-
 def tensorrt_engine_dir(work: Path, role: str) -> Path:
-    return work / f"{role}_trt"
+    """A TensorRT engine's folder: where the CPU build keeps its engine of the same role."""
+    return work / role
 
 
-def _tensorrt_steps(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, work: Path) -> list[Step]:
+def _tensorrt_steps(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, work: Path, repo: Optional[Path]) -> list[Step]:
+    """Each model exported once from its resolved folder, made low precision (Q/DQ or AutoCast), built into an
+    engine; then the manifest that deployment, gate and bench open, and specpipe's Triton repository."""
     steps = []
     for job in jobs:
         raw = work / "onnx" / job.role
         steps.append(
             Step(
-                id=f"{job.role}.export", title=f"export the {job.role} to ONNX (text-generation-with-past)", kind="python",
-                call="specpipe.export.onnx.export_onnx", kwargs={"checkpoint": job.shape.spec, "out_dir": str(raw)},
+                id=f"{job.role}.export", title=f"export the {job.role} to ONNX (text-generation-with-past)", kind="export",
+                role=job.role, call="specpipe.export.onnx.export_onnx", kwargs={"checkpoint": str(job.hf_dir), "out_dir": str(raw)},
                 writes=(str(raw / "model.onnx"),), source="optimum-onnx main_export",
             )  # fmt: skip
         )
@@ -418,8 +410,8 @@ def _tensorrt_steps(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, w
             qdq = work / "onnx" / f"{job.role}-{job.quant}"
             steps.append(
                 Step(
-                    id=f"{job.role}.quantize", title=f"{job.quant} Q/DQ graph with calibrated scales", kind="python",
-                    call="specpipe.quantize.static.quantize_calibrated",
+                    id=f"{job.role}.quantize", title=f"{job.quant} Q/DQ graph with calibrated scales", kind="quantize",
+                    role=job.role, call="specpipe.quantize.static.quantize_calibrated",
                     # TensorRT's quantize layer takes symmetric (zero-point 0) activations only (defect 7)
                     kwargs={"model": str(graph), "out_dir": str(qdq), "mode": job.quant, "symmetric_activations": True},
                     writes=(str(qdq / "model.onnx"),),
@@ -431,8 +423,8 @@ def _tensorrt_steps(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, w
             mixed = work / "onnx" / f"{job.role}-{cfg.dtype}"
             steps.append(
                 Step(
-                    id=f"{job.role}.autocast", title=f"{cfg.dtype} mixed precision with ModelOpt AutoCast", kind="python",
-                    call="modelopt.onnx.autocast.convert_to_mixed_precision",
+                    id=f"{job.role}.autocast", title=f"{cfg.dtype} mixed precision with ModelOpt AutoCast", kind="autocast",
+                    role=job.role, call="modelopt.onnx.autocast.convert_to_mixed_precision",
                     kwargs={"onnx_path": str(graph), "low_precision_type": upstream.AUTOCAST_LOW_PRECISION[cfg.dtype], "keep_io_types": False},
                     writes=(str(mixed / "model.onnx"),), needs=("modelopt",),
                     source="TensorRT 11 migration guide (Python): ModelOpt AutoCast",
@@ -446,7 +438,7 @@ def _tensorrt_steps(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, w
         steps.append(
             Step(
                 id=f"{job.role}.engine", title=f"build the {job.role} TensorRT engine (strongly typed, 3 profiles)",
-                kind="python", call="tensorrt.Builder.build_serialized_network",
+                kind="tensorrt_engine", role=job.role, call="tensorrt.Builder.build_serialized_network",
                 kwargs={
                     "onnx": str(graph),
                     "network_flags": ["STRONGLY_TYPED"],
@@ -458,10 +450,17 @@ def _tensorrt_steps(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, w
         )
     steps.append(
         Step(
-            id="manifest", title="point the manifest's target and draft at the TensorRT engines", kind="write",
-            writes=(str(work / "manifest.json"),), source="specpipe/manifest.py",
+            id="manifest", title="write the manifest of the TensorRT deployment (step costs timed on these engines)",
+            kind="manifest", writes=(str(work / MANIFEST),), needs=("cuda", "tensorrt"), gpu=True, source="specpipe/manifest.py",
         )  # fmt: skip
     )
+    if repo is not None:
+        steps.append(
+            Step(
+                id="repository", title="write specpipe's Triton repository (Python backend over specpipe.speculative)",
+                kind="repository", writes=(str(repo / DEFAULT_MODEL_NAME),), source="specpipe/triton/repository.py",
+            )  # fmt: skip
+        )
     return steps
 
 
@@ -480,16 +479,16 @@ def _repository_steps(
     pinned = upstream.TRTLLM_ENGINE_TAG if cfg.trtllm_flow == "engine" else f">= v{upstream.TRTLLM_LLMAPI_MIN_VERSION}"
     steps = [
         Step(
-            id="repository", title=f"write the Triton repository ({', '.join(m.name for m in models)})", kind="write",
+            id="repository", title=f"write the Triton repository ({', '.join(m.name for m in models)})", kind="repository",
             writes=tuple(str(f) for f in own), source="specpipe/triton/trtllm_repo.py (Triton model_config_pb2)",
         ),  # fmt: skip
         Step(
-            id="repository.check", title="compare its tensors with the pinned checkout's templates", kind="python",
+            id="repository.check", title="compare its tensors with the pinned checkout's templates", kind="repository_check",
             call="specpipe.triton.trtllm_repo.compare_with_templates", kwargs={"templates_dir": str(templates)},
             needs=("trtllm-checkout",), source=f"NVIDIA/TensorRT-LLM {pinned} {templates.relative_to(cfg.trtllm_checkout)}",
         ),  # fmt: skip
         Step(
-            id="repository.model_py", title="copy the Python models' code from the pinned checkout", kind="python",
+            id="repository.model_py", title="copy the Python models' code from the pinned checkout", kind="model_py",
             call="specpipe.triton.trtllm_repo.copy_upstream_model_files", kwargs={"checkout": str(cfg.trtllm_checkout)},
             writes=tuple(str(f) for f in copied), needs=("trtllm-checkout",),
             source=f"NVIDIA/TensorRT-LLM {pinned} {templates.relative_to(cfg.trtllm_checkout)}",
@@ -517,14 +516,6 @@ def repository_models(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits,
     return trtllm_repo.trtllm_models(settings)
 
 
-def _plan_limits(plan: Plan, cfg: GpuBuildConfig) -> Limits:
-    """The engine limits a finished plan settled on (max_seq_len may have been derived while planning)."""
-    return Limits(
-        dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, max_input_len=cfg.max_input_len,
-        max_seq_len=int(plan.limits["max_seq_len"]), max_draft_len=cfg.max_draft_len, calib_size=cfg.calib_size,
-    )  # fmt: skip
-
-
 def write_plan_repository(plan: Plan, cfg: GpuBuildConfig) -> list[Path]:
     """Write the repository's own files (config.pbtxt, model.yaml). Upstream model.py files are copied by
     the real build, from the pinned checkout."""
@@ -532,8 +523,8 @@ def write_plan_repository(plan: Plan, cfg: GpuBuildConfig) -> list[Path]:
 
     if plan.repo_dir is None or cfg.backend != "trtllm":
         return []
-    jobs = _jobs_from_plan(plan)
-    limits = _plan_limits(plan, cfg)
+    jobs = plan_jobs(plan)
+    limits = plan.limits
     kv_fraction = _kv_fraction(cfg)
     models = repository_models(cfg, jobs, limits, Path(plan.work_dir), kv_fraction)
     model_yaml = None
@@ -547,8 +538,8 @@ def write_plan_repository(plan: Plan, cfg: GpuBuildConfig) -> list[Path]:
 
 def write_serve_config(plan: Plan, cfg: GpuBuildConfig) -> Path:
     """trtllm-serve's YAML: the same LLM arguments as model.yaml, less the model (trtllm-serve's argument)."""
-    jobs = _jobs_from_plan(plan)
-    limits = _plan_limits(plan, cfg)
+    jobs = plan_jobs(plan)
+    limits = plan.limits
     kv_fraction = _kv_fraction(cfg)
     path = Path(plan.work_dir) / SERVE_CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -556,7 +547,7 @@ def write_serve_config(plan: Plan, cfg: GpuBuildConfig) -> Path:
     return path
 
 
-def _jobs_from_plan(plan: Plan) -> list[ModelJob]:
+def plan_jobs(plan: Plan) -> list[ModelJob]:
     work = Path(plan.work_dir)
     return [
         ModelJob(m.role, m.shape, work / "hf" / m.role, m.quant, m.kv_cache_dtype, m.tp, m.gpus, work / "trtllm" / m.role)  # type: ignore[arg-type]
@@ -594,7 +585,7 @@ def render_plan(plan: Plan) -> str:
     """The plan as a person reads it: models, steps with their exact commands, files, memory per GPU."""
     lines = [f"GPU build plan: {plan.name} (backend {plan.backend}, flow {plan.flow})"]
     lines += ["  versions: " + ", ".join(f"{k} {v}" for k, v in plan.versions.items())]
-    lines += ["  limits: " + ", ".join(f"{k}={v}" for k, v in plan.limits.items())]
+    lines += ["  limits: " + ", ".join(f"{k}={v}" for k, v in plan.limits.model_dump().items())]
     for m in (plan.target, plan.draft):
         if m is None:
             lines.append("  draft  n-gram lookup in the request's own tokens (no draft model)")
@@ -608,7 +599,7 @@ def render_plan(plan: Plan) -> str:
     lines.append("Steps (G = runs on a GPU):")
     for i, step in enumerate(plan.steps, 1):
         lines.append(f"  {i:2}. [{'G' if step.gpu else ' '}] {step.id}: {step.title}")
-        if step.kind != "write":
+        if step.kind == "command" or step.call is not None:
             lines.append(f"        {step.display()}")
         if step.source:
             lines.append(f"        source: {step.source}")

@@ -26,9 +26,9 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specpipe.engines import upstream
-from specpipe.checkpoint.shape import ModelShape
 from specpipe.build.steps import Step
+from specpipe.checkpoint.shape import ModelShape
+from specpipe.engines import upstream
 
 # trtllm-build's own default (gh-pages 1.2.1/commands/trtllm-build.html); raised to max_input_len so a
 # whole prompt fits one context step.
@@ -65,12 +65,15 @@ class ModelJob:
         return [self.engine_dir / upstream.ENGINE_CONFIG_FILE] + [self.engine_dir / upstream.engine_file(r) for r in range(self.tp)]
 
 
-@dataclass(frozen=True)
-class Limits:
-    dtype: str  # float16 | bfloat16
+class Limits(BaseModel):
+    """What the engines are built for (and calibrated on), as the plan settled it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtype: Literal["float16", "bfloat16"]
     max_batch_size: int
     max_input_len: int
-    max_seq_len: int
+    max_seq_len: int  # the target's context, capped, when not given
     max_draft_len: int
     calib_size: int
 

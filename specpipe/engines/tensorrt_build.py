@@ -22,8 +22,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from specpipe.errors import EngineError
 from specpipe.checkpoint.shape import ModelShape
+from specpipe.errors import EngineError
 
 PLAN_FILE = "model.plan"
 ProfileName = Literal["prefill", "decode", "verify"]
