@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -14,6 +14,12 @@ class Strict(BaseModel):
 
 
 BenchPromptSet = Literal["code", "chat", "grounded"]  # the packaged prompt sets (specpipe/bench/prompts)
+
+# Intra-op threads of ONNX Runtime (and torch) wherever none are given: the README's measurements use 2.
+THREADS = 2
+THREADS_HELP = "ONNX Runtime intra-op threads"
+# The longest sequence an engine is built for when the model's context is longer (or --max-seq-len not given).
+MAX_SEQ_LEN = 8192
 
 
 class SamplingConfig(Strict):
@@ -88,7 +94,7 @@ class BuildConfig(Strict):
     triton_instances: int = Field(1, ge=1, description="Triton model instances: requests served in parallel")
     force: bool = False
     allow_pickle: bool = False
-    threads: int = Field(2, ge=1, description="ONNX Runtime intra-op threads")
+    threads: int = Field(THREADS, ge=1, description=THREADS_HELP)
     export_tolerance: float = Field(1e-3, gt=0, description="max |logit diff| engine vs torch (fp32)")
     backend: Literal["onnxruntime"] = "onnxruntime"
     ngram: "NgramConfig" = Field(default_factory=lambda: NgramConfig(), description="--draft ngram: lookup sizes")
@@ -339,7 +345,7 @@ class DistillConfig(Strict):
     checkpoint_every: int = Field(50, ge=1, description="steps between saved training states (for --resume)")
     resume: bool = Field(False, description="continue a stopped run from OUT's saved training state")
     force: bool = Field(False, description="replace an existing OUT")
-    threads: int = Field(2, ge=1, description="torch threads")
+    threads: int = Field(THREADS, ge=1, description="torch threads")
 
 
 class BenchConfig(Strict):
@@ -356,7 +362,7 @@ class BenchConfig(Strict):
     adaptive: bool = Field(True, description="also run the default adaptive draft length")
     peer: bool = Field(True, description="also run transformers assisted generation on the torch checkpoints")
     max_new_tokens: int = Field(128, ge=1)
-    threads: int = Field(2, ge=1, description="ONNX Runtime intra-op threads and torch threads")
+    threads: int = Field(THREADS, ge=1, description=THREADS_HELP + " and torch threads")
     chat: bool = Field(True, description="apply the tokenizer's chat template to each prompt")
     max_prompts: Optional[int] = Field(None, ge=1, description="use only the first N prompts of each set")
     warmup_prompts: int = Field(1, ge=0, description="untimed runs per row before measuring")
@@ -392,6 +398,14 @@ def field_default(model: type[BaseModel], name: str):
 
 def field_help(model: type[BaseModel], name: str) -> str:
     return model.model_fields[name].description or ""
+
+
+def field_choices(model: type[BaseModel], name: str) -> list[str]:
+    """The values of a Literal field (or of a list or Optional of one), for click.Choice."""
+    annotation = model.model_fields[name].annotation
+    while get_origin(annotation) is not Literal:
+        annotation = next(arg for arg in get_args(annotation) if arg is not type(None))
+    return list(get_args(annotation))
 
 
 # `--draft self:MODE`: weight-only modes only. A self-draft must be much cheaper than the target, and these
@@ -503,7 +517,8 @@ class GpuBuildConfig(Strict):
     max_draft_len: int = Field(8, ge=1, le=64, description="largest K the engines are built for")
     max_batch_size: int = Field(8, ge=1, description="requests scheduled at once (engines and Triton)")
     max_input_len: int = Field(2048, ge=1, description="longest prompt, tokens")
-    max_seq_len: Optional[int] = Field(None, ge=2, description="prompt + output tokens; None = the target's context, at most 8192")
+    max_seq_len: Optional[int] = Field(
+        None, ge=2, description=f"prompt + output tokens; None = the target's context, at most {MAX_SEQ_LEN}")
     kv_cache_free_gpu_mem_fraction: Optional[float] = Field(
         None, gt=0, le=1, description="share of free GPU memory for each model's KV cache; None = 0.9, or 0.45 when sharing a GPU"
     )

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from specpipe.config import BuildConfig, DistillConfig, QuantConfig
+from specpipe.config import THREADS, BuildConfig, DistillConfig, QuantConfig
 from specpipe.manifest import MANIFEST, Manifest, read_manifest
 
 TARGET = "smollm2-135m"
@@ -175,7 +175,7 @@ def generate_samples(demo: Demo) -> str:
     """A few prompts, greedy: speculative (adaptive K) and the target alone on the same engine."""
     from specpipe.deployment import load_deployment
 
-    deployment = load_deployment(demo.engine_dir, threads=2)
+    deployment = load_deployment(demo.engine_dir, threads=THREADS)
     generator = deployment.generator
     if deployment.manifest.draft.kind == "none":
         return _generate_target_alone(demo, deployment)
@@ -265,7 +265,7 @@ def main(steps: Optional[list[Step]] = None) -> Demo:
     summary.add_column("step")
     summary.add_column("time", justify="right")
     summary.add_column("result")
-    machine = describe_machine(threads=2).summary()
+    machine = describe_machine(threads=THREADS).summary()
     console.print(f"machine: {machine}")
     started = time.perf_counter()
     for index, step in enumerate(steps or STEPS, 1):

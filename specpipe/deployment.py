@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from specpipe.config import GenerationConfig
+from specpipe.config import THREADS, GenerationConfig
 from specpipe.engines import Engine, load_engine
 from specpipe.errors import EngineError
 from specpipe.manifest import DraftEntry, Manifest, read_manifest
@@ -61,7 +61,7 @@ def make_drafter(folder: Path, draft: DraftEntry, target: Engine, threads: int) 
     return ModelDrafter(load_engine(folder / draft.engine.path, threads=threads), target.vocab_size)
 
 
-def load_deployment(folder: str | Path, *, threads: int = 2) -> Deployment:
+def load_deployment(folder: str | Path, *, threads: int = THREADS) -> Deployment:
     from transformers import AutoTokenizer
 
     folder = Path(folder)

@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
-from specpipe.config import BuildConfig, draft_kind
+from specpipe.checkpoint.shape import CONTEXT_LENGTH_UNSAID
+from specpipe.config import MAX_SEQ_LEN, BuildConfig, draft_kind
 from specpipe.engines.onnxruntime import TARGET_MIN_ROWS, OrtEngine, optimize_for_cpu, write_engine_meta
 from specpipe.errors import ExportError, OutputExistsError, UsageError
 from specpipe.export.onnx import check_export, export_onnx
@@ -283,7 +284,7 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         num_layers=info.num_layers,
         num_kv_heads=info.num_kv_heads,
         head_dim=info.head_dim,
-        max_seq_len=min(int(info.max_position_embeddings or 2048), 8192),
+        max_seq_len=min(int(info.max_position_embeddings or CONTEXT_LENGTH_UNSAID), MAX_SEQ_LEN),
         quant="none",
         ort_optimized=True,
     )

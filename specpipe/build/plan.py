@@ -27,14 +27,13 @@ from specpipe.build.trtllm import (
     trtllm_serve_config,
 )
 from specpipe.checkpoint.shape import ModelShape, resolve_shape
-from specpipe.config import GpuBuildConfig
+from specpipe.config import MAX_SEQ_LEN, GpuBuildConfig
 from specpipe.engines import upstream
 from specpipe.engines.tensorrt_build import PLAN_FILE, optimization_profiles
 from specpipe.errors import UsageError
 from specpipe.manifest import MANIFEST
 from specpipe.triton.repository import DEFAULT_MODEL_NAME
 
-DEFAULT_MAX_SEQ_LEN = 8192  # cap on the target's context when --max-seq-len is not given
 SHARED_KV_FRACTION = 0.45  # each of two models on one GPU: whichever loads first leaves room for the other
 ALONE_KV_FRACTION = 0.9  # tensorrtllm_backend's default (docs/model_config.md)
 TP_CANDIDATES = (1, 2, 4, 8)  # one 8-GPU node: tensor parallelism wants NVLink between its ranks
@@ -109,7 +108,7 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
         notes.append(f"the draft runs inside the target's LLM on its {cfg.tp_size} GPU(s) (tp {cfg.tp_size}), not --draft-tp-size {cfg.draft_tp_size}")
         cfg = cfg.model_copy(update={"draft_tp_size": cfg.tp_size})
     _check_options(cfg, target, draft)
-    max_seq_len = cfg.max_seq_len or min(target.context_length, DEFAULT_MAX_SEQ_LEN)
+    max_seq_len = cfg.max_seq_len or min(target.context_length, MAX_SEQ_LEN)
     if cfg.max_input_len >= max_seq_len:
         raise UsageError(f"--max-input-len {cfg.max_input_len} must be below the sequence length {max_seq_len}")
     contexts = [target.context_length] + ([draft.context_length] if draft is not None else [])

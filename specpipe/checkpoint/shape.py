@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specpipe.errors import UsageError
 
+CONTEXT_LENGTH_UNSAID = 2048  # a config.json without max_position_embeddings (transformers' LlamaConfig default)
+
 
 class ModelShape(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -75,7 +77,7 @@ def shape_from_config(config: dict, *, spec: str) -> ModelShape:
         architecture=(config.get("architectures") or ["unknown"])[0],
         params=llama_params(layers, hidden, intermediate, heads, kv_heads, head_dim, vocab, tied),
         layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
-        head_dim=head_dim, vocab=vocab, context_length=int(config.get("max_position_embeddings") or 2048),
+        head_dim=head_dim, vocab=vocab, context_length=int(config.get("max_position_embeddings") or CONTEXT_LENGTH_UNSAID),
         tie_word_embeddings=tied,
     )  # fmt: skip
 

@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING
 import click
 
 from specpipe.commands.gpu_build import backend_of, gpu_build, gpu_options, split_gpu_options
-from specpipe.config import (AccuracyBudget, BuildConfig, DraftChoiceConfig, NgramConfig, QuantConfig, field_default,
-                             field_help, make_config)
+from specpipe.config import (AccuracyBudget, BuildConfig, DraftChoiceConfig, NgramConfig, QuantConfig, field_choices,
+                             field_default, field_help, make_config)
 from specpipe.errors import UsageError
 from specpipe.quantize.pipeline import MODE_HELP
 
 if TYPE_CHECKING:
     from specpipe.manifest import Manifest
 
-_QUANT_MODES = click.Choice(["none", "int8-wo", "int4-wo", "int8", "fp8"])
+_QUANT_MODES = click.Choice(field_choices(QuantConfig, "mode"))
 
 
 @click.command()
@@ -39,8 +39,9 @@ _QUANT_MODES = click.Choice(["none", "int8-wo", "int4-wo", "int8", "fp8"])
               help="--draft ngram: " + field_help(NgramConfig, "ngram_max"))
 @click.option("--ngram-min", type=int, default=field_default(NgramConfig, "ngram_min"), show_default=True,
               help="--draft ngram: " + field_help(NgramConfig, "ngram_min"))
-@click.option("--quant", type=_QUANT_MODES, default="none", show_default=True, help="Target quantization: " + MODE_HELP)
-@click.option("--draft-quant", type=_QUANT_MODES, default="none", show_default=True,
+@click.option("--quant", type=_QUANT_MODES, default=field_default(QuantConfig, "mode"), show_default=True,
+              help="Target quantization: " + MODE_HELP)
+@click.option("--draft-quant", type=_QUANT_MODES, default=field_default(QuantConfig, "mode"), show_default=True,
               help="Draft model quantization (same modes; never changes the output, only acceptance).")
 @click.option("--group-size", type=int, default=field_default(QuantConfig, "group_size"), show_default=True,
               help=field_help(QuantConfig, "group_size"))
@@ -48,7 +49,8 @@ _QUANT_MODES = click.Choice(["none", "int8-wo", "int4-wo", "int8", "fp8"])
 @click.option("--calib-size", type=int, default=field_default(QuantConfig, "calib_size"), show_default=True,
               help=field_help(QuantConfig, "calib_size"))
 @click.option("--smooth-quant", is_flag=True, help=field_help(QuantConfig, "smooth_quant"))
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
+@click.option("--kv-cache-dtype", type=click.Choice(field_choices(QuantConfig, "kv_cache_dtype")),
+              default=field_default(QuantConfig, "kv_cache_dtype"), show_default=True,
               help="KV cache precision. onnxruntime: auto only; fp8/int8 need --backend tensorrt or trtllm.")
 @click.option("--max-ppl-increase", type=float, default=field_default(AccuracyBudget, "max_ppl_increase"), show_default=True,
               help="Budget: " + field_help(AccuracyBudget, "max_ppl_increase"))

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specpipe.config import THREADS
 from specpipe.engines.base import Engine, EngineSequence, read_engine_meta
 from specpipe.errors import EngineError
 
 __all__ = ["Engine", "EngineSequence", "load_engine", "read_engine_meta"]
 
 
-def load_engine(folder: str | Path, *, threads: int = 2, min_rows: int = 1) -> Engine:
+def load_engine(folder: str | Path, *, threads: int = THREADS, min_rows: int = 1) -> Engine:
     """Open the engine in `folder`, choosing the backend its engine.json names (imported lazily).
 
     `min_rows`: run shorter calls padded to this many rows (engines/onnxruntime.py: a target opened with 2

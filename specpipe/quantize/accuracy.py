@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specpipe.config import AccuracyBudget
+from specpipe.config import THREADS, AccuracyBudget
 from specpipe.errors import AccuracyBudgetError, UsageError
 
 
@@ -61,7 +61,7 @@ def sequence_logits(engine, token_ids: Sequence[int]) -> np.ndarray:
     return engine.new_sequence().append(list(token_ids))
 
 
-def measure_accuracy(ref_dir: Path, quant_dir: Path, token_batches: Sequence[Sequence[int]], *, threads: int = 2) -> AccuracyReport:
+def measure_accuracy(ref_dir: Path, quant_dir: Path, token_batches: Sequence[Sequence[int]], *, threads: int = THREADS) -> AccuracyReport:
     """Compare the engine in `quant_dir` with the one in `ref_dir` on `token_batches` (see module docstring)."""
     from specpipe.engines import load_engine, read_engine_meta
 
@@ -133,7 +133,7 @@ def check_budget(report: AccuracyReport, budget: AccuracyBudget, model_name: str
     return violations
 
 
-def greedy_agreement(draft_dir: Path, target_dir: Path, token_batches: Sequence[Sequence[int]], *, threads: int = 2) -> float:
+def greedy_agreement(draft_dir: Path, target_dir: Path, token_batches: Sequence[Sequence[int]], *, threads: int = THREADS) -> float:
     """Share of positions where the draft's argmax equals the target's, teacher-forced on `token_batches`.
 
     A cheap stand-in for the greedy acceptance rate of single drafted tokens; compare it for the fp32 and
