@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal, Optional, get_args, get_origin
+from typing import Annotated, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -94,9 +94,10 @@ class BuildConfig(Strict):
     triton_instances: int = Field(1, ge=1, description="Triton model instances: requests served in parallel")
     force: bool = False
     allow_pickle: bool = False
-    threads: int = Field(THREADS, ge=1, description=THREADS_HELP)
-    export_tolerance: float = Field(1e-3, gt=0, description="max |logit diff| engine vs torch (fp32)")
-    backend: Literal["onnxruntime"] = "onnxruntime"
+    backend: "Backend" = Field(
+        default_factory=lambda: OnnxRuntimeBackend(),
+        description="onnxruntime: CPU engines; tensorrt: TensorRT engines from the ONNX graphs; trtllm: TensorRT-LLM (multi-GPU)",
+    )
     ngram: "NgramConfig" = Field(default_factory=lambda: NgramConfig(), description="--draft ngram: lookup sizes")
     choice: "DraftChoiceConfig" = Field(default_factory=lambda: DraftChoiceConfig(),
                                         description="several --draft candidates: how they are measured and chosen")
@@ -128,6 +129,15 @@ class BuildConfig(Strict):
         if repeated:
             raise ValueError(f"{', '.join(repeated)} given more than once")
         return v
+
+    @model_validator(mode="after")
+    def _gpu_backends_build_one_draft_model(self) -> "BuildConfig":
+        if self.backend.kind != "onnxruntime":
+            if len(self.draft) != 1:
+                raise ValueError(f"--backend {self.backend.kind} builds one --draft; got {len(self.draft)}")
+            if self.draft_vocab is not None:
+                raise ValueError("--draft-vocab applies to --backend onnxruntime")
+        return self
 
     @property
     def output_name(self) -> str:
@@ -386,8 +396,14 @@ def make_config(model: type[BaseModel], **values):
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            option = "--" + "-".join(str(part) for part in err["loc"] if isinstance(part, str)).replace("_", "-")
-            problems.append(f"{option}: {err['msg']}" if err["loc"] else err["msg"])
+            names = [part for part in err["loc"] if isinstance(part, str)]
+            if names[:1] == ["backend"] and len(names) > 2:  # backend, its kind, the field: the option is the field's
+                if err["type"] == "extra_forbidden":
+                    problems.append(f"--{names[2].replace('_', '-')} does not apply to --backend {names[1]}")
+                    continue
+                names = names[2:]
+            message = err["msg"].removeprefix("Value error, ")
+            problems.append(f"--{'-'.join(names).replace('_', '-')}: {message}" if names else message)
         raise UsageError("; ".join(problems)) from None
 
 
@@ -480,45 +496,64 @@ class QuantConfig(Strict):
         return self.mode in ("int8", "fp8")
 
 
-BuildConfig.model_rebuild()  # resolves its NgramConfig / DraftChoiceConfig / QuantConfig fields, defined after it
+# ---- `specpipe build --backend`: how the engines are built. Upstream names (trtllm-build flags, quantize.py
+# qformats, tensorrtllm_backend parameters) are looked up in specpipe/engines/upstream.py; these fields are
+# specpipe's own vocabulary.
 
 
-# ---- GPU backends (`specpipe build --backend tensorrt|trtllm`): what specpipe.build.make_plan plans.
-# Upstream names (trtllm-build flags, quantize.py qformats, tensorrtllm_backend parameters) are looked
-# up in specpipe/engines/upstream.py; these fields are specpipe's own vocabulary.
+class OnnxRuntimeBackend(Strict):
+    """CPU engines: exported, optimized for ONNX Runtime, checked against torch and timed on this machine."""
 
-GpuBackend = Literal["tensorrt", "trtllm"]
+    kind: Literal["onnxruntime"] = "onnxruntime"
+    threads: int = Field(THREADS, ge=1, description=THREADS_HELP)
+    export_tolerance: float = Field(1e-3, gt=0, description="max |logit diff| engine vs torch (fp32)")
 
 
-class GpuBuildConfig(Strict):
-    """A draft/target pair -> GPU engines and their Triton repository, planned first, built where CUDA is."""
+class _GpuBackend(Strict):
+    """What both GPU backends plan: everything is decided (and printed with --dry-run) before a GPU step runs."""
 
-    target: str
-    draft: str
-    backend: GpuBackend = Field("trtllm", description="tensorrt: ONNX -> TensorRT engines; trtllm: TensorRT-LLM")
+    dtype: Literal["float16", "bfloat16"] = Field("float16", description="precision of everything not quantized")
+    gpu_memory_gb: Optional[float] = Field(None, gt=0, description="memory of one GPU (GB = 1e9 bytes); checks the plan fits")
+    max_batch_size: int = Field(8, ge=1, description="requests scheduled at once (engines and Triton)")
+    max_input_len: int = Field(2048, ge=1, description="longest prompt, tokens")
+    max_seq_len: Optional[int] = Field(
+        None, ge=2, description=f"prompt + output tokens; None = the target's context, at most {MAX_SEQ_LEN}")
+    dry_run: bool = Field(False, description="print the plan and write the Triton repository; run no GPU step")
+
+
+class TensorRTBackend(_GpuBackend):
+    """ONNX graphs -> TensorRT engines on one GPU, served by specpipe's own Triton model."""
+
+    kind: Literal["tensorrt"] = "tensorrt"
+
+    # Single-GPU engines, the draft beside the target: tensor parallelism and placement are TensorRT-LLM's options.
+    @property
+    def tp_size(self) -> int:
+        return 1
+
+    @property
+    def draft_tp_size(self) -> int:
+        return 1
+
+    @property
+    def draft_placement(self) -> str:
+        return "shared"
+
+
+class TrtllmBackend(_GpuBackend):
+    """TensorRT-LLM, tensor parallel over several GPUs, served by trtllm-serve or its Triton backend."""
+
+    kind: Literal["trtllm"] = "trtllm"
     trtllm_flow: Literal["engine", "llmapi"] = Field(
         "llmapi",
         description="llmapi: TensorRT-LLM >= 1.3's LLM API (PyTorch backend, speculative_config) served by trtllm-serve "
         "or Triton's llmapi model; engine: convert/quantize + trtllm-build + tensorrtllm_backend, pinned to 1.2.1",
     )
-    name: Optional[str] = Field(None, description="default: derived from the pair")
-    engines_dir: Path = Path("engines")
-    repo_dir: Optional[Path] = Field(Path("triton_repo"), description="Triton model repository to write; None = none")
-    quant: QuantMode = Field("none", description="target weights/activations")
-    draft_quant: QuantMode = Field("none", description="draft weights/activations")
-    kv_cache_dtype: KvCacheDtype = Field("auto", description="KV cache precision; auto = the model dtype")
-    dtype: Literal["float16", "bfloat16"] = Field("float16", description="precision of everything not quantized")
     tp_size: int = Field(1, ge=1, description="tensor parallel GPUs for the target")
     draft_tp_size: int = Field(1, ge=1, description="tensor parallel GPUs for the draft")
     draft_placement: Literal["shared", "separate"] = Field(
         "shared", description="shared: the draft runs on the target's first GPU; separate: on its own GPU(s)"
     )
-    gpu_memory_gb: Optional[float] = Field(None, gt=0, description="memory of one GPU (GB = 1e9 bytes); checks the plan fits")
-    max_draft_len: int = Field(8, ge=1, le=64, description="largest K the engines are built for")
-    max_batch_size: int = Field(8, ge=1, description="requests scheduled at once (engines and Triton)")
-    max_input_len: int = Field(2048, ge=1, description="longest prompt, tokens")
-    max_seq_len: Optional[int] = Field(
-        None, ge=2, description=f"prompt + output tokens; None = the target's context, at most {MAX_SEQ_LEN}")
     kv_cache_free_gpu_mem_fraction: Optional[float] = Field(
         None, gt=0, le=1, description="share of free GPU memory for each model's KV cache; None = 0.9, or 0.45 when sharing a GPU"
     )
@@ -534,8 +569,9 @@ class GpuBuildConfig(Strict):
         description="llmapi flow: {batch size: draft length} for TensorRT-LLM's in-flight batching (0 = no speculation);"
         " None = K below batch 4, halved at 4 and at each doubling after (specpipe.build.trtllm.default_draft_len_schedule)",
     )
-    dry_run: bool = Field(False, description="print the plan and write the Triton repository; run no GPU step")
 
-    @property
-    def output_name(self) -> str:
-        return self.name or default_name(self.target, [self.draft])
+
+Backend = Annotated[Union[OnnxRuntimeBackend, TensorRTBackend, TrtllmBackend], Field(discriminator="kind")]
+BACKENDS: dict[str, type[Strict]] = {b.model_fields["kind"].default: b for b in (OnnxRuntimeBackend, TensorRTBackend, TrtllmBackend)}
+
+BuildConfig.model_rebuild()  # resolves its fields defined after it (backend, ngram, choice, quant)

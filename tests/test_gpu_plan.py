@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specpipe.config import GpuBuildConfig
+from specpipe.config import BuildConfig, make_config
 from specpipe.errors import IncompatiblePairError, UsageError
 from specpipe.build import GpuMemoryError, make_plan, render_plan, write_plan_repository
 from specpipe.build.memory import GB, kv_bytes_per_token
@@ -90,12 +90,19 @@ LLMAPI_CLIENT_TENSORS = {"text_input": "STRING", "streaming": "BOOL", "sampling_
 SIX_MODELS = {"ensemble", "preprocessing", "tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls", "postprocessing"}
 
 
-def _cfg(tmp_path: Path, **kw) -> GpuBuildConfig:
-    base = dict(target="llama-70b", draft="llama-7b", engines_dir=tmp_path / "engines", repo_dir=tmp_path / "repo", dry_run=True)
-    return GpuBuildConfig(**(base | kw))
+def _cfg(tmp_path: Path, **kw) -> BuildConfig:
+    """A GPU build as the command line gives it: --backend (trtllm here) and its options, --quant, --draft-quant and
+    --kv-cache-dtype (one for both models), the rest BuildConfig's own."""
+    options = dict(target="llama-70b", draft="llama-7b", engines_dir=tmp_path / "engines", repo_dir=tmp_path / "repo",
+                   backend="trtllm", dry_run=True) | kw
+    kv = options.pop("kv_cache_dtype", "auto")
+    quant = {"quant": {"mode": options.pop("quant", "none"), "kv_cache_dtype": kv},
+             "draft_quant": {"mode": options.pop("draft_quant", "none"), "kv_cache_dtype": kv}}
+    backend = {"kind": options.pop("backend")} | {k: options.pop(k) for k in list(options) if k not in BuildConfig.model_fields}
+    return make_config(BuildConfig, **options, **quant, backend=backend)
 
 
-def _engine_cfg(tmp_path: Path, **kw) -> GpuBuildConfig:
+def _engine_cfg(tmp_path: Path, **kw) -> BuildConfig:
     """The TensorRT-LLM 1.2.1 engine flow (--trtllm-flow engine)."""
     return _cfg(tmp_path, trtllm_flow="engine", **kw)
 
@@ -580,7 +587,7 @@ def test_smollm2_tensorrt_plan_and_profiles(tmp_path, smollm2_draft):
 
 
 def test_tensorrt_backend_refusals(tmp_path):
-    with pytest.raises(UsageError, match="single-GPU"):
+    with pytest.raises(UsageError, match="--tp-size does not apply to --backend tensorrt"):
         make_plan(_cfg(tmp_path, backend="tensorrt", target="smollm2-135m", draft="smollm2-135m", tp_size=2))
     with pytest.raises(UsageError, match="MatMulNBits"):
         make_plan(_cfg(tmp_path, backend="tensorrt", target="smollm2-135m", draft="smollm2-135m", quant="int4-wo"))

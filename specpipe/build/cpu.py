@@ -45,7 +45,7 @@ from specpipe.speculative.adaptive import StepCosts
 from specpipe.triton.repository import DEFAULT_MODEL_NAME, write_repository
 
 Progress = Callable[[str], None]
-def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
+def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     """Build engines/<name>/ (and the Triton repository when cfg.repo_dir is set). Returns the folder.
 
     One --draft is built and deployed as given. Several are each built and measured against the target
@@ -61,7 +61,7 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         raise OutputExistsError(f"{Path(cfg.repo_dir) / DEFAULT_MODEL_NAME} exists; pass --force to replace it")
     from specpipe.quantize import check_kv_cache_dtype
 
-    check_kv_cache_dtype(cfg.quant, cfg.backend)  # refuse, never silently ignore, a KV precision we cannot do
+    check_kv_cache_dtype(cfg.quant, cfg.backend.kind)  # refuse, never silently ignore, a KV precision we cannot do
     kinds = {spec: draft_kind(spec) for spec in cfg.draft}
     if cfg.draft_vocab and "model" not in kinds.values():
         raise UsageError(f"--draft-vocab applies to a draft model; --draft {', '.join(cfg.draft)} has no head of its own")
@@ -105,7 +105,7 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         write_manifest(stage, Manifest.new(
             name=name, build=json.loads(cfg.model_dump_json()), tokenizer=TokenizerRecord(path="tokenizer", hash=tokenizer_hash(tokenizer)),
             eos_token_ids=eos_token_ids, max_draft_len=cfg.max_draft_len, step_costs=costs,
-            machine=describe_machine(cfg.threads).as_dict(),  # where step_costs and timings_s were measured
+            machine=describe_machine(cfg.backend.threads).as_dict(),  # where step_costs and timings_s were measured
             target=target_entry, draft=draft_entry, draft_choice=choice, warnings=warnings, timings_s=timings,
         ))  # fmt: skip
     say(f"wrote {final} in {time.perf_counter() - started:.1f} s")
@@ -145,7 +145,7 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
     from specpipe.deployment import make_drafter
     from specpipe.speculative.adaptive import measure_step_costs
 
-    target = OrtEngine(stage / "target", threads=cfg.threads, min_rows=target_min_rows)
+    target = OrtEngine(stage / "target", threads=cfg.backend.threads, min_rows=target_min_rows)
     candidates, entries, folders = [], {}, {}
     for index, spec in enumerate(cfg.draft):
         say(f"candidate {index + 1}/{len(cfg.draft)}: {spec}")
@@ -153,7 +153,7 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
         folders[spec].mkdir(parents=True)
         spent: dict[str, float] = {}
         entries[spec] = build_draft(spec, folders[spec], spent)
-        drafter = make_drafter(folders[spec], entries[spec], target, cfg.threads)
+        drafter = make_drafter(folders[spec], entries[spec], target, cfg.backend.threads)
         say(f"timing the engines of {spec} for adaptive K")
         costs = measure_step_costs(target, getattr(drafter, "engine", None))
         candidates.append(draft_choice.Candidate(spec, kinds[spec], drafter, costs, source=entries[spec].source,
@@ -263,7 +263,7 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         export_onnx(ckpt.path, Path(raw))
         timings[f"{role}_export_s"] = time.perf_counter() - t0
         say(f"optimizing the {role} graph for ONNX Runtime")
-        optimize_for_cpu(Path(raw) / "model.onnx", out, threads=cfg.threads)
+        optimize_for_cpu(Path(raw) / "model.onnx", out, threads=cfg.backend.threads)
     if vocab is not None:
         from specpipe.quantize.graph import load_model, model_files, save_model, slice_lm_head
 
@@ -292,8 +292,8 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
     say(f"checking the {role} engine against torch")
     max_abs_diff = check_export(
         load_causal_lm(ckpt.path, allow_pickle=cfg.allow_pickle),
-        OrtEngine(out, threads=cfg.threads),
-        tolerance=cfg.export_tolerance,
+        OrtEngine(out, threads=cfg.backend.threads),
+        tolerance=cfg.backend.export_tolerance,
         name=role,
     )
     timings[f"{role}_check_s"] = time.perf_counter() - t1
@@ -301,7 +301,7 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         source=ckpt.source, resolved_path=str(ckpt.path), weights_sha256=ckpt.weights_sha256,
         checkpoint=info.model_dump(mode="json"),
         engine=EngineRecord(path=out.name, backend="onnxruntime", quant=qcfg.mode, files={}),
-        export_check=ExportCheck(max_abs_diff=max_abs_diff, tolerance=cfg.export_tolerance),
+        export_check=ExportCheck(max_abs_diff=max_abs_diff, tolerance=cfg.backend.export_tolerance),
     )  # fmt: skip
     if vocab is not None:
         entry.vocab = VocabRecord(**{k: v for k, v in vocab.items() if k != "token_ids"})
@@ -312,7 +312,7 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         reference = out.with_name(f"{role}-fp32")
         out.rename(reference)
         say(f"quantizing the {role} ({qcfg.mode}) and measuring its accuracy")
-        entry.quant = QuantRecord(**quantize_engine(reference, out, qcfg, tokenizer, model_name=role, threads=cfg.threads),
+        entry.quant = QuantRecord(**quantize_engine(reference, out, qcfg, tokenizer, model_name=role, threads=cfg.backend.threads),
                                   reference_path=reference.name)
         timings[f"{role}_quantize_s"] = time.perf_counter() - t2
     entry.engine.files = file_hashes(out)
@@ -335,7 +335,7 @@ def _build_self_draft(spec: str, stage: Path, out: Path, cfg: BuildConfig, token
     t0 = time.perf_counter()
     say(f"quantizing the target ({mode}) as its own draft")
     quant = quantize_engine(stage / reference, out / "draft", QuantConfig(mode=mode, accept_accuracy_loss=True),
-                            tokenizer, model_name="self-draft", threads=cfg.threads)
+                            tokenizer, model_name="self-draft", threads=cfg.backend.threads)
     timings["draft_quantize_s"] = time.perf_counter() - t0
     return SelfDraft(
         kind="self", source=f"{spec} of {target_entry.source}",
@@ -365,7 +365,7 @@ def _target_min_rows(folder: Path, cfg: BuildConfig, tokenizer, say: Progress, t
     tolerance = near_tie_tolerance(cfg.quant.mode)
     unpadded = None
     for min_rows in (1, TARGET_MIN_ROWS):
-        result = verify_consistency(OrtEngine(folder, threads=cfg.threads, min_rows=min_rows), prompts, new_tokens=24,
+        result = verify_consistency(OrtEngine(folder, threads=cfg.backend.threads, min_rows=min_rows), prompts, new_tokens=24,
                                     chunk=5)
         within = 2 * result.max_abs_logit_diff <= tolerance
         if within:
@@ -388,9 +388,9 @@ def _measure_step_costs(stage: Path, draft_entry: DraftEntry, cfg: BuildConfig, 
     A draft without an engine (prompt lookup, none) costs nothing."""
     from specpipe.speculative.adaptive import measure_step_costs
 
-    target = OrtEngine(stage / "target", threads=cfg.threads, min_rows=target_min_rows)
+    target = OrtEngine(stage / "target", threads=cfg.backend.threads, min_rows=target_min_rows)
     engine = getattr(draft_entry, "engine", None)  # prompt lookup and none have no engine
-    draft = OrtEngine(stage / engine.path, threads=cfg.threads) if engine is not None else None
+    draft = OrtEngine(stage / engine.path, threads=cfg.backend.threads) if engine is not None else None
     return measure_step_costs(target, draft)
 
 

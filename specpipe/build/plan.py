@@ -27,7 +27,7 @@ from specpipe.build.trtllm import (
     trtllm_serve_config,
 )
 from specpipe.checkpoint.shape import ModelShape, resolve_shape
-from specpipe.config import MAX_SEQ_LEN, GpuBuildConfig
+from specpipe.config import MAX_SEQ_LEN, BuildConfig, TrtllmBackend
 from specpipe.engines import upstream
 from specpipe.engines.tensorrt_build import PLAN_FILE, optimization_profiles
 from specpipe.errors import UsageError
@@ -97,58 +97,59 @@ class Plan(_Frozen):
         return sorted({need for step in self.steps for need in step.needs})
 
 
-def make_plan(cfg: GpuBuildConfig) -> Plan:
+def make_plan(cfg: BuildConfig) -> Plan:
     """Check the request against the models, the upstream tools and the GPU memory, then lay out the steps."""
-    ngram = cfg.draft == NGRAM_DRAFT
+    ngram = cfg.draft[0] == NGRAM_DRAFT
     target = resolve_shape(cfg.target)
-    draft = None if ngram else resolve_shape(cfg.draft)
+    draft = None if ngram else resolve_shape(cfg.draft[0])
     notes = _check_pair(target, draft) if draft is not None else []
-    if cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi" and cfg.draft_tp_size != cfg.tp_size and not ngram:
+    if _flow(cfg) == "llmapi" and cfg.backend.draft_tp_size != cfg.backend.tp_size and not ngram:
         # the LLM API loads the draft into the target's executor, split over the same GPUs
-        notes.append(f"the draft runs inside the target's LLM on its {cfg.tp_size} GPU(s) (tp {cfg.tp_size}), not --draft-tp-size {cfg.draft_tp_size}")
-        cfg = cfg.model_copy(update={"draft_tp_size": cfg.tp_size})
+        notes.append(f"the draft runs inside the target's LLM on its {cfg.backend.tp_size} GPU(s) (tp {cfg.backend.tp_size}), not --draft-tp-size {cfg.backend.draft_tp_size}")
+        cfg = _with_backend(cfg, draft_tp_size=cfg.backend.tp_size)
     _check_options(cfg, target, draft)
-    max_seq_len = cfg.max_seq_len or min(target.context_length, MAX_SEQ_LEN)
-    if cfg.max_input_len >= max_seq_len:
-        raise UsageError(f"--max-input-len {cfg.max_input_len} must be below the sequence length {max_seq_len}")
+    max_seq_len = cfg.backend.max_seq_len or min(target.context_length, MAX_SEQ_LEN)
+    if cfg.backend.max_input_len >= max_seq_len:
+        raise UsageError(f"--max-input-len {cfg.backend.max_input_len} must be below the sequence length {max_seq_len}")
     contexts = [target.context_length] + ([draft.context_length] if draft is not None else [])
     if max_seq_len > min(contexts):
         notes.append(f"max_seq_len {max_seq_len} is beyond a model's trained context ({' / '.join(map(str, contexts))})")
     limits = Limits(
-        dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, max_input_len=cfg.max_input_len,
-        max_seq_len=max_seq_len, max_draft_len=cfg.max_draft_len, calib_size=cfg.calib_size,
+        dtype=cfg.backend.dtype, max_batch_size=cfg.backend.max_batch_size, max_input_len=cfg.backend.max_input_len,
+        max_seq_len=max_seq_len, max_draft_len=cfg.max_draft_len,
+        calib_size=cfg.backend.calib_size if isinstance(cfg.backend, TrtllmBackend) else None,
     )  # fmt: skip
 
     name = cfg.output_name
     work = Path(cfg.engines_dir) / name
-    shared = cfg.draft_placement == "shared"
-    target_gpus = tuple(range(cfg.tp_size))
-    first_draft = 0 if shared else cfg.tp_size
-    draft_gpus = tuple(range(first_draft, first_draft + cfg.draft_tp_size))
+    shared = cfg.backend.draft_placement == "shared"
+    target_gpus = tuple(range(cfg.backend.tp_size))
+    first_draft = 0 if shared else cfg.backend.tp_size
+    draft_gpus = tuple(range(first_draft, first_draft + cfg.backend.draft_tp_size))
     target_kv, draft_kv = _kv_cache_dtypes(cfg, notes)
-    jobs = [ModelJob("target", target, work / "hf" / "target", cfg.quant, target_kv, cfg.tp_size, target_gpus, work / "trtllm" / "target")]
+    jobs = [ModelJob("target", target, work / "hf" / "target", cfg.quant.mode, target_kv, cfg.backend.tp_size, target_gpus, work / "trtllm" / "target")]
     if draft is not None:
         jobs.append(
-            ModelJob("draft", draft, work / "hf" / "draft", cfg.draft_quant, draft_kv, cfg.draft_tp_size, draft_gpus, work / "trtllm" / "draft")
+            ModelJob("draft", draft, work / "hf" / "draft", cfg.draft_quant.mode, draft_kv, cfg.backend.draft_tp_size, draft_gpus, work / "trtllm" / "draft")
         )  # fmt: skip
     memory = plan_memory(cfg, target, draft, max_seq_len, kv_cache_dtypes=(target_kv, draft_kv))
     _check_fits(cfg, target, draft, max_seq_len, memory, notes)
 
     repo = Path(cfg.repo_dir) if cfg.repo_dir is not None else None
     steps = _resolve_steps(cfg, work)
-    if cfg.backend == "tensorrt":
+    if cfg.backend.kind == "tensorrt":
         flow = "onnx"
         steps += _tensorrt_steps(cfg, jobs, limits, work, repo)
         repository: list[Path] = []
         serve: tuple[str, ...] = ("specpipe", "serve", str(repo)) if repo else ()
         notes.append("the Triton repository is specpipe's own (Python backend over specpipe.speculative): engine.json names the tensorrt backend")
     else:
-        flow = cfg.trtllm_flow
+        flow = _flow(cfg)
         kv_fraction = _kv_fraction(cfg)
         if flow == "engine":
-            steps += engine_flow_steps(jobs, limits, Path(cfg.trtllm_checkout))
+            steps += engine_flow_steps(jobs, limits, Path(cfg.backend.trtllm_checkout))
         else:
-            steps += [s for s in (llmapi_quantize_step(job, limits, Path(cfg.modelopt_checkout)) for job in jobs) if s]
+            steps += [s for s in (llmapi_quantize_step(job, limits, Path(cfg.backend.modelopt_checkout)) for job in jobs) if s]
             steps.append(
                 Step(
                     id="serve_config", title="write trtllm-serve's LLM-API YAML (speculative_config, in-flight batching)",
@@ -166,14 +167,14 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
         if repo is not None:
             steps_repo, repository = _repository_steps(cfg, jobs, limits, work, repo, kv_fraction)
             steps += steps_repo
-        serve = serve_command(repo, Path(cfg.trtllm_checkout), flow) if repo else ()
+        serve = serve_command(repo, Path(cfg.backend.trtllm_checkout), flow) if repo else ()
         if flow == "engine":
             notes.append(
                 "speculative requests go to tensorrt_llm_bls with num_draft_tokens > 0 and stream false (upstream's BLS"
                 " refuses streaming with speculation); `ensemble` serves the target alone"
             )
             notes.append(
-                f"in-flight batching: up to {cfg.max_batch_size} requests per engine; TensorRT-LLM {upstream.TRTLLM_ENGINE_VERSION}'s"
+                f"in-flight batching: up to {cfg.backend.max_batch_size} requests per engine; TensorRT-LLM {upstream.TRTLLM_ENGINE_VERSION}'s"
                 " draft-target path has no batch-size schedule: clients choose num_draft_tokens per request"
             )
         else:
@@ -183,18 +184,18 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
             elif is_eagle3_head(draft):
                 notes.append("the draft is an EAGLE-3 head: speculative_config is Eagle3 (speculation off where the schedule reaches 0)")
             notes.append(
-                f"in-flight batching: up to {cfg.max_batch_size} requests; draft length by batch size {schedule}"
+                f"in-flight batching: up to {cfg.backend.max_batch_size} requests; draft length by batch size {schedule}"
                 " (speculative_config.draft_len_schedule)"
             )
             notes.append("without Triton: " + " ".join(trtllm_serve_command(_llmapi_target_dir(jobs[0]), work / SERVE_CONFIG)))
     steps.append(
         Step(id="plan", title="record the plan", kind="plan", writes=(str(work / PLAN_JSON),), source="specpipe")
     )
-    versions = {"tensorrt_llm": upstream.TRTLLM_ENGINE_VERSION if cfg.backend == "trtllm" else "-", "tensorrt": f">={upstream.TENSORRT_MIN_VERSION}"}
-    if cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi":
+    versions = {"tensorrt_llm": upstream.TRTLLM_ENGINE_VERSION if cfg.backend.kind == "trtllm" else "-", "tensorrt": f">={upstream.TENSORRT_MIN_VERSION}"}
+    if _flow(cfg) == "llmapi":
         versions = {"tensorrt_llm": f">={upstream.TRTLLM_LLMAPI_MIN_VERSION} (LLM API, PyTorch backend; no engine build)"}
     return Plan(
-        backend=cfg.backend, flow=flow, name=name, work_dir=str(work), repo_dir=str(repo) if repo else None,
+        backend=cfg.backend.kind, flow=flow, name=name, work_dir=str(work), repo_dir=str(repo) if repo else None,
         versions=versions,
         limits=limits,
         target=_planned(jobs[0], cfg, work), draft=_planned(jobs[1], cfg, work) if len(jobs) > 1 else None,
@@ -203,35 +204,35 @@ def make_plan(cfg: GpuBuildConfig) -> Plan:
 
 
 def plan_memory(
-    cfg: GpuBuildConfig, target: ModelShape, draft: Optional[ModelShape], max_seq_len: int, *, tp_size: Optional[int] = None,
+    cfg: BuildConfig, target: ModelShape, draft: Optional[ModelShape], max_seq_len: int, *, tp_size: Optional[int] = None,
     kv_cache_dtypes: Optional[tuple[str, str]] = None,
 ) -> MemoryPlan:
-    tp = tp_size or cfg.tp_size
+    tp = tp_size or cfg.backend.tp_size
     kv_dtypes = dict(zip(("target", "draft"), kv_cache_dtypes or _kv_cache_dtypes(cfg, [])))
-    kv_tokens = cfg.max_batch_size * max_seq_len
-    onnx_qdq = cfg.backend == "tensorrt"  # a Q/DQ graph keeps its other ops (and KV) in fp32
+    kv_tokens = cfg.backend.max_batch_size * max_seq_len
+    onnx_qdq = cfg.backend.kind == "tensorrt"  # a Q/DQ graph keeps its other ops (and KV) in fp32
 
     def one(role: str, shape: ModelShape, quant: str, model_tp: int):
         dtype_bytes = 4 if onnx_qdq and quant != "none" else 2
         return model_memory(
             role, shape, quant=quant, kv_cache_dtype=kv_dtypes[role], tp=model_tp, kv_tokens=kv_tokens,
-            separate_lm_head=cfg.backend == "trtllm", dtype_bytes=dtype_bytes,
+            separate_lm_head=cfg.backend.kind == "trtllm", dtype_bytes=dtype_bytes,
         )  # fmt: skip
 
     return place(
-        one("target", target, cfg.quant, tp),
-        one("draft", draft, cfg.draft_quant, tp if _draft_follows_target(cfg) else cfg.draft_tp_size) if draft is not None else None,
-        shared=cfg.draft_placement == "shared", gpu_memory_gb=cfg.gpu_memory_gb,
+        one("target", target, cfg.quant.mode, tp),
+        one("draft", draft, cfg.draft_quant.mode, tp if _draft_follows_target(cfg) else cfg.backend.draft_tp_size) if draft is not None else None,
+        shared=cfg.backend.draft_placement == "shared", gpu_memory_gb=cfg.backend.gpu_memory_gb,
     )  # fmt: skip
 
 
-def _draft_follows_target(cfg: GpuBuildConfig) -> bool:
+def _draft_follows_target(cfg: BuildConfig) -> bool:
     """The LLM API runs the draft inside the target's executor, with the target's tensor parallel split."""
-    return cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi"
+    return _flow(cfg) == "llmapi"
 
 
-def suggest_tp(cfg: GpuBuildConfig, target: ModelShape, draft: Optional[ModelShape], max_seq_len: int) -> Optional[tuple[int, float]]:
-    """The smallest valid target tp size whose busiest GPU fits cfg.gpu_memory_gb: (tp, peak GB)."""
+def suggest_tp(cfg: BuildConfig, target: ModelShape, draft: Optional[ModelShape], max_seq_len: int) -> Optional[tuple[int, float]]:
+    """The smallest valid target tp size whose busiest GPU fits cfg.backend.gpu_memory_gb: (tp, peak GB)."""
     for tp in TP_CANDIDATES:
         if valid_tp(target, tp) is None:
             memory = plan_memory(cfg, target, draft, max_seq_len, tp_size=tp)
@@ -240,38 +241,38 @@ def suggest_tp(cfg: GpuBuildConfig, target: ModelShape, draft: Optional[ModelSha
     return None
 
 
-def _check_fits(cfg: GpuBuildConfig, target: ModelShape, draft: Optional[ModelShape], max_seq_len: int, memory: MemoryPlan, notes: list) -> None:
-    if cfg.gpu_memory_gb is None:
+def _check_fits(cfg: BuildConfig, target: ModelShape, draft: Optional[ModelShape], max_seq_len: int, memory: MemoryPlan, notes: list) -> None:
+    if cfg.backend.gpu_memory_gb is None:
         notes.append("no --gpu-memory-gb given: the memory table is not checked against a GPU")
         return
-    best = suggest_tp(cfg, target, draft, max_seq_len) if cfg.backend == "trtllm" else None
+    best = suggest_tp(cfg, target, draft, max_seq_len) if cfg.backend.kind == "trtllm" else None
     if memory.fits:
-        if best and best[0] < cfg.tp_size:
-            notes.append(f"--tp-size {best[0]} would also fit {cfg.gpu_memory_gb:g} GB GPUs (busiest GPU {best[1]:.1f} GB)")
+        if best and best[0] < cfg.backend.tp_size:
+            notes.append(f"--tp-size {best[0]} would also fit {cfg.backend.gpu_memory_gb:g} GB GPUs (busiest GPU {best[1]:.1f} GB)")
         return
     busiest = max(memory.gpus, key=lambda g: g.total_gb)
     head = (
-        f"{cfg.target} ({cfg.quant}) + {cfg.draft} ({cfg.draft_quant}) at --tp-size {cfg.tp_size} needs {memory.peak_gb:.1f} GB"
+        f"{cfg.target} ({cfg.quant.mode}) + {cfg.draft[0]} ({cfg.draft_quant.mode}) at --tp-size {cfg.backend.tp_size} needs {memory.peak_gb:.1f} GB"
         f" on GPU {busiest.gpu} (weights {busiest.weights_gb:.1f}, KV cache {busiest.kv_cache_gb:.1f}, reserve"
-        f" {busiest.reserve_gb:.1f}; {', '.join(busiest.models)}) but --gpu-memory-gb is {cfg.gpu_memory_gb:g}"
+        f" {busiest.reserve_gb:.1f}; {', '.join(busiest.models)}) but --gpu-memory-gb is {cfg.backend.gpu_memory_gb:g}"
     )
     if best is not None:
         raise GpuMemoryError(
             f"{head}: use --tp-size {best[0]} (busiest GPU {best[1]:.1f} GB)",
-            peak_gb=memory.peak_gb, gpu_memory_gb=cfg.gpu_memory_gb, suggested_tp=best[0],
+            peak_gb=memory.peak_gb, gpu_memory_gb=cfg.backend.gpu_memory_gb, suggested_tp=best[0],
         )  # fmt: skip
-    if cfg.backend == "trtllm" and cfg.draft_placement == "shared" and draft is not None and not _draft_follows_target(cfg):
-        alone = suggest_tp(cfg.model_copy(update={"draft_placement": "separate"}), target, draft, max_seq_len)
+    if cfg.backend.kind == "trtllm" and cfg.backend.draft_placement == "shared" and draft is not None and not _draft_follows_target(cfg):
+        alone = suggest_tp(_with_backend(cfg, draft_placement="separate"), target, draft, max_seq_len)
         if alone is not None:
             raise GpuMemoryError(
                 f"{head}: give the draft its own GPU: --draft-placement separate --tp-size {alone[0]} (busiest GPU {alone[1]:.1f} GB)",
-                peak_gb=memory.peak_gb, gpu_memory_gb=cfg.gpu_memory_gb, suggested_tp=alone[0],
+                peak_gb=memory.peak_gb, gpu_memory_gb=cfg.backend.gpu_memory_gb, suggested_tp=alone[0],
             )  # fmt: skip
-    limit = TP_CANDIDATES[-1] if cfg.backend == "trtllm" else 1
+    limit = TP_CANDIDATES[-1] if cfg.backend.kind == "trtllm" else 1
     raise GpuMemoryError(
         f"{head}, and no --tp-size up to {limit} fits: lower --max-batch-size or --max-seq-len, use --kv-cache-dtype fp8,"
         " or quantize (--quant / --draft-quant)",
-        peak_gb=memory.peak_gb, gpu_memory_gb=cfg.gpu_memory_gb, suggested_tp=None,
+        peak_gb=memory.peak_gb, gpu_memory_gb=cfg.backend.gpu_memory_gb, suggested_tp=None,
     )  # fmt: skip
 
 
@@ -286,49 +287,47 @@ def _check_pair(target: ModelShape, draft: ModelShape) -> list[str]:
     return ["the draft/target tokenizers are compared token by token when the build resolves the checkpoints"]
 
 
-def _check_options(cfg: GpuBuildConfig, target: ModelShape, draft: Optional[ModelShape]) -> None:
+def _check_options(cfg: BuildConfig, target: ModelShape, draft: Optional[ModelShape]) -> None:
     problems = []
-    if draft is None and not (cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi"):
+    if draft is None and _flow(cfg) != "llmapi":
         raise UsageError("--draft ngram on a GPU needs --backend trtllm and the LLM-API flow (NGramDecodingConfig)")
-    if cfg.backend == "tensorrt":
-        if cfg.tp_size != 1 or cfg.draft_tp_size != 1:
-            problems.append("the tensorrt backend builds single-GPU engines from ONNX; use --backend trtllm for --tp-size > 1")
-        for flag, mode in (("--quant", cfg.quant), ("--draft-quant", cfg.draft_quant)):
+    if cfg.backend.kind == "tensorrt":
+        for flag, mode in (("--quant", cfg.quant.mode), ("--draft-quant", cfg.draft_quant.mode)):
             if mode in ("int8-wo", "int4-wo"):
                 problems.append(
                     f"{flag} {mode} writes ONNX Runtime's MatMulNBits, which TensorRT cannot parse; use fp8 or int8 (Q/DQ),"
                     " or --backend trtllm"
                 )
-        if cfg.kv_cache_dtype != "auto":
+        if cfg.quant.kv_cache_dtype != "auto":
             problems.append("the tensorrt backend keeps the KV cache in the graph's dtype; --kv-cache-dtype needs --backend trtllm")
-    elif cfg.trtllm_flow == "llmapi":
-        if cfg.draft_placement == "separate":
+    elif _flow(cfg) == "llmapi":
+        if cfg.backend.draft_placement == "separate":
             problems.append("--draft-placement separate needs --trtllm-flow engine: the LLM API runs the draft inside the target's LLM")
         # TensorRT-LLM's PyTorch backend runs FP8, NVFP4 and W4A16/W4A8 weights and an FP8/NVFP4 KV cache; no INT8
-        for flag, mode in (("--quant", cfg.quant), ("--draft-quant", cfg.draft_quant)):
+        for flag, mode in (("--quant", cfg.quant.mode), ("--draft-quant", cfg.draft_quant.mode)):
             if mode not in upstream.LLMAPI_QUANT_MODES:
                 problems.append(
                     f"{flag} {mode} is not supported by TensorRT-LLM's PyTorch backend (LLM-API flow): use"
                     f" {' or '.join(m for m in upstream.LLMAPI_QUANT_MODES if m != 'none')}, or --trtllm-flow engine"
                 )
-        if cfg.kv_cache_dtype not in upstream.LLMAPI_KV_CACHE_DTYPES:
-            problems.append(f"--kv-cache-dtype {cfg.kv_cache_dtype} is not supported by TensorRT-LLM's PyTorch backend: use fp8")
+        if cfg.quant.kv_cache_dtype not in upstream.LLMAPI_KV_CACHE_DTYPES:
+            problems.append(f"--kv-cache-dtype {cfg.quant.kv_cache_dtype} is not supported by TensorRT-LLM's PyTorch backend: use fp8")
         problems += check_draft_len_schedule(draft_len_schedule(cfg), cfg.max_draft_len)
     else:
-        if cfg.kv_cache_dtype == "int8":
+        if cfg.quant.kv_cache_dtype == "int8":
             problems.append(
                 "--kv-cache-dtype int8 cannot be used with paged context FMHA, which draft-target decoding needs"
                 " (NVIDIA/TensorRT-LLM issue 2166); use fp8"
             )
-        if cfg.kv_cache_dtype == "fp8" and cfg.quant not in upstream.FP8_KV_WEIGHT_QUANT:
+        if cfg.quant.kv_cache_dtype == "fp8" and cfg.quant.mode not in upstream.FP8_KV_WEIGHT_QUANT:
             problems.append(
-                f"--kv-cache-dtype fp8 with --quant {cfg.quant} would make TensorRT-LLM {upstream.TRTLLM_ENGINE_VERSION}'s builder"
+                f"--kv-cache-dtype fp8 with --quant {cfg.quant.mode} would make TensorRT-LLM {upstream.TRTLLM_ENGINE_VERSION}'s builder"
                 " turn paged context FMHA off (it keeps an fp8 KV cache only with fp8 weights): use --quant fp8, or the LLM-API flow"
             )
-    if cfg.backend == "trtllm":
-        if cfg.trtllm_flow == "engine" and draft is not None and is_eagle3_head(draft):
+    if cfg.backend.kind == "trtllm":
+        if _flow(cfg) == "engine" and draft is not None and is_eagle3_head(draft):
             problems.append("an EAGLE-3 head drafts through the LLM-API flow only; drop --trtllm-flow engine")
-        models = (("target", target, cfg.tp_size),) + ((("draft", draft, cfg.draft_tp_size),) if draft is not None else ())
+        models = (("target", target, cfg.backend.tp_size),) + ((("draft", draft, cfg.backend.draft_tp_size),) if draft is not None else ())
         for role, shape, tp in models:
             why = valid_tp(shape, tp)
             if why:
@@ -337,20 +336,20 @@ def _check_options(cfg: GpuBuildConfig, target: ModelShape, draft: Optional[Mode
         raise UsageError("; ".join(problems))
 
 
-def draft_len_schedule(cfg: GpuBuildConfig) -> dict[int, int]:
-    return dict(sorted((cfg.draft_len_schedule or default_draft_len_schedule(cfg.max_draft_len, cfg.max_batch_size)).items()))
+def draft_len_schedule(cfg: BuildConfig) -> dict[int, int]:
+    return dict(sorted((cfg.backend.draft_len_schedule or default_draft_len_schedule(cfg.max_draft_len, cfg.backend.max_batch_size)).items()))
 
 
-def _kv_cache_dtypes(cfg: GpuBuildConfig, notes: list) -> tuple[str, str]:
+def _kv_cache_dtypes(cfg: BuildConfig, notes: list) -> tuple[str, str]:
     """(target, draft) KV cache dtypes. The engine flow keeps an fp8 KV cache only where the weights are fp8
     (engine_kv_cache_dtype); the target's case was refused in _check_options, the draft's is said here."""
-    if cfg.backend != "trtllm" or cfg.trtllm_flow != "engine":
-        return cfg.kv_cache_dtype, cfg.kv_cache_dtype
-    target_kv = engine_kv_cache_dtype(cfg.quant, cfg.kv_cache_dtype)
-    draft_kv = engine_kv_cache_dtype(cfg.draft_quant, cfg.kv_cache_dtype)
-    if draft_kv != cfg.kv_cache_dtype:
+    if _flow(cfg) != "engine":
+        return cfg.quant.kv_cache_dtype, cfg.quant.kv_cache_dtype
+    target_kv = engine_kv_cache_dtype(cfg.quant.mode, cfg.quant.kv_cache_dtype)
+    draft_kv = engine_kv_cache_dtype(cfg.draft_quant.mode, cfg.quant.kv_cache_dtype)
+    if draft_kv != cfg.quant.kv_cache_dtype:
         notes.append(
-            f"the draft keeps a {cfg.dtype} KV cache: an fp8 KV cache without fp8 weights (--draft-quant {cfg.draft_quant})"
+            f"the draft keeps a {cfg.backend.dtype} KV cache: an fp8 KV cache without fp8 weights (--draft-quant {cfg.draft_quant.mode})"
             " would turn its paged context FMHA off"
         )
     return target_kv, draft_kv
@@ -362,11 +361,11 @@ def _llmapi_target_dir(job: ModelJob) -> Path:
     return llmapi_model_dir(job)
 
 
-def _resolve_steps(cfg: GpuBuildConfig, work: Path) -> list[Step]:
+def _resolve_steps(cfg: BuildConfig, work: Path) -> list[Step]:
     from specpipe.checkpoint import get_alias
 
     steps = []
-    for role, spec in (("target", cfg.target), ("draft", cfg.draft))[: 1 if cfg.draft == NGRAM_DRAFT else 2]:
+    for role, spec in (("target", cfg.target), ("draft", cfg.draft[0]))[: 1 if cfg.draft[0] == NGRAM_DRAFT else 2]:
         facts = get_alias(spec)
         steps.append(
             Step(
@@ -391,7 +390,7 @@ def tensorrt_engine_dir(work: Path, role: str) -> Path:
     return work / role
 
 
-def _tensorrt_steps(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, work: Path, repo: Optional[Path]) -> list[Step]:
+def _tensorrt_steps(cfg: BuildConfig, jobs: list[ModelJob], limits: Limits, work: Path, repo: Optional[Path]) -> list[Step]:
     """Each model exported once from its resolved folder, made low precision (Q/DQ or AutoCast), built into an
     engine; then the manifest that deployment, gate and bench open, and specpipe's Triton repository."""
     steps = []
@@ -419,12 +418,12 @@ def _tensorrt_steps(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, w
             )
             graph = qdq / "model.onnx"
         else:
-            mixed = work / "onnx" / f"{job.role}-{cfg.dtype}"
+            mixed = work / "onnx" / f"{job.role}-{cfg.backend.dtype}"
             steps.append(
                 Step(
-                    id=f"{job.role}.autocast", title=f"{cfg.dtype} mixed precision with ModelOpt AutoCast", kind="autocast",
+                    id=f"{job.role}.autocast", title=f"{cfg.backend.dtype} mixed precision with ModelOpt AutoCast", kind="autocast",
                     role=job.role, call="modelopt.onnx.autocast.convert_to_mixed_precision",
-                    kwargs={"onnx_path": str(graph), "low_precision_type": upstream.AUTOCAST_LOW_PRECISION[cfg.dtype], "keep_io_types": False},
+                    kwargs={"onnx_path": str(graph), "low_precision_type": upstream.AUTOCAST_LOW_PRECISION[cfg.backend.dtype], "keep_io_types": False},
                     writes=(str(mixed / "model.onnx"),), needs=("modelopt",),
                     source="TensorRT 11 migration guide (Python): ModelOpt AutoCast",
                 )  # fmt: skip
@@ -464,18 +463,18 @@ def _tensorrt_steps(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, w
 
 
 def _repository_steps(
-    cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, work: Path, repo: Path, kv_fraction: float
+    cfg: BuildConfig, jobs: list[ModelJob], limits: Limits, work: Path, repo: Path, kv_fraction: float
 ) -> tuple[list[Step], list[Path]]:
     from specpipe.triton import trtllm_repo
 
     models = repository_models(cfg, jobs, limits, work, kv_fraction)
-    files = trtllm_repo.repository_files(models, repo, cfg.trtllm_flow)
+    files = trtllm_repo.repository_files(models, repo, _flow(cfg))
     own = [f for f in files if f.name in ("config.pbtxt", "model.yaml")]
     copied = [f for f in files if f not in own]
-    templates = Path(cfg.trtllm_checkout) / (
-        upstream.LLMAPI_TEMPLATES_DIR if cfg.trtllm_flow == "llmapi" else upstream.TRITON_TEMPLATES_DIR
+    templates = Path(cfg.backend.trtllm_checkout) / (
+        upstream.LLMAPI_TEMPLATES_DIR if _flow(cfg) == "llmapi" else upstream.TRITON_TEMPLATES_DIR
     )
-    pinned = upstream.TRTLLM_ENGINE_TAG if cfg.trtllm_flow == "engine" else f">= v{upstream.TRTLLM_LLMAPI_MIN_VERSION}"
+    pinned = upstream.TRTLLM_ENGINE_TAG if _flow(cfg) == "engine" else f">= v{upstream.TRTLLM_LLMAPI_MIN_VERSION}"
     steps = [
         Step(
             id="repository", title=f"write the Triton repository ({', '.join(m.name for m in models)})", kind="repository",
@@ -484,24 +483,24 @@ def _repository_steps(
         Step(
             id="repository.check", title="compare its tensors with the pinned checkout's templates", kind="repository_check",
             call="specpipe.triton.trtllm_repo.compare_with_templates", kwargs={"templates_dir": str(templates)},
-            needs=("trtllm-checkout",), source=f"NVIDIA/TensorRT-LLM {pinned} {templates.relative_to(cfg.trtllm_checkout)}",
+            needs=("trtllm-checkout",), source=f"NVIDIA/TensorRT-LLM {pinned} {templates.relative_to(cfg.backend.trtllm_checkout)}",
         ),  # fmt: skip
         Step(
             id="repository.model_py", title="copy the Python models' code from the pinned checkout", kind="model_py",
-            call="specpipe.triton.trtllm_repo.copy_upstream_model_files", kwargs={"checkout": str(cfg.trtllm_checkout)},
+            call="specpipe.triton.trtllm_repo.copy_upstream_model_files", kwargs={"checkout": str(cfg.backend.trtllm_checkout)},
             writes=tuple(str(f) for f in copied), needs=("trtllm-checkout",),
-            source=f"NVIDIA/TensorRT-LLM {pinned} {templates.relative_to(cfg.trtllm_checkout)}",
+            source=f"NVIDIA/TensorRT-LLM {pinned} {templates.relative_to(cfg.backend.trtllm_checkout)}",
         ),  # fmt: skip
     ]
     return steps, files
 
 
-def repository_models(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits, work: Path, kv_fraction: float):
+def repository_models(cfg: BuildConfig, jobs: list[ModelJob], limits: Limits, work: Path, kv_fraction: float):
     from specpipe.triton import trtllm_repo
 
-    if cfg.backend != "trtllm":
+    if cfg.backend.kind != "trtllm":
         return []
-    if cfg.trtllm_flow == "llmapi":
+    if _flow(cfg) == "llmapi":
         from specpipe.build.trtllm import TritonSpec
 
         triton = TritonSpec()  # the same object writes model.yaml's triton_config
@@ -515,12 +514,12 @@ def repository_models(cfg: GpuBuildConfig, jobs: list[ModelJob], limits: Limits,
     return trtllm_repo.trtllm_models(settings)
 
 
-def write_plan_repository(plan: Plan, cfg: GpuBuildConfig) -> list[Path]:
+def write_plan_repository(plan: Plan, cfg: BuildConfig) -> list[Path]:
     """Write the repository's own files (config.pbtxt, model.yaml). Upstream model.py files are copied by
     the real build, from the pinned checkout."""
     from specpipe.triton import trtllm_repo
 
-    if plan.repo_dir is None or cfg.backend != "trtllm":
+    if plan.repo_dir is None or cfg.backend.kind != "trtllm":
         return []
     jobs = plan_jobs(plan)
     limits = plan.limits
@@ -528,21 +527,22 @@ def write_plan_repository(plan: Plan, cfg: GpuBuildConfig) -> list[Path]:
     models = repository_models(cfg, jobs, limits, Path(plan.work_dir), kv_fraction)
     model_yaml = None
     written = []
-    if cfg.trtllm_flow == "llmapi":
+    if _flow(cfg) == "llmapi":
         schedule = draft_len_schedule(cfg)
-        model_yaml = llmapi_model_yaml(jobs[0], _draft_job(jobs), limits, kv_fraction, schedule).to_yaml()
+        model_yaml = llmapi_model_yaml(jobs[0], _draft_job(jobs), limits, kv_fraction, schedule, cfg.ngram).to_yaml()
         written.append(write_serve_config(plan, cfg))
     return trtllm_repo.write_repository(models, Path(plan.repo_dir), model_yaml=model_yaml) + written
 
 
-def write_serve_config(plan: Plan, cfg: GpuBuildConfig) -> Path:
+def write_serve_config(plan: Plan, cfg: BuildConfig) -> Path:
     """trtllm-serve's YAML: the same LLM arguments as model.yaml, less the model (trtllm-serve's argument)."""
     jobs = plan_jobs(plan)
     limits = plan.limits
     kv_fraction = _kv_fraction(cfg)
     path = Path(plan.work_dir) / SERVE_CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(trtllm_serve_config(jobs[0], _draft_job(jobs), limits, kv_fraction, draft_len_schedule(cfg)).to_yaml(exclude=("model",)))
+    serve_config = trtllm_serve_config(jobs[0], _draft_job(jobs), limits, kv_fraction, draft_len_schedule(cfg), cfg.ngram)
+    path.write_text(serve_config.to_yaml(exclude=("model",)))
     return path
 
 
@@ -554,20 +554,29 @@ def plan_jobs(plan: Plan) -> list[ModelJob]:
     ]
 
 
-def _kv_fraction(cfg: GpuBuildConfig) -> float:
+def _flow(cfg: BuildConfig) -> str:
+    """engine | llmapi (TensorRT-LLM), onnx (TensorRT)."""
+    return cfg.backend.trtllm_flow if isinstance(cfg.backend, TrtllmBackend) else "onnx"
+
+
+def _with_backend(cfg: BuildConfig, **changes) -> BuildConfig:
+    return cfg.model_copy(update={"backend": cfg.backend.model_copy(update=changes)})
+
+
+def _kv_fraction(cfg: BuildConfig) -> float:
     """Each model's share of free GPU memory for its KV cache: half each when the draft shares the GPU."""
-    if cfg.kv_cache_free_gpu_mem_fraction is not None:
-        return cfg.kv_cache_free_gpu_mem_fraction
-    return SHARED_KV_FRACTION if cfg.draft_placement == "shared" and cfg.draft != NGRAM_DRAFT else ALONE_KV_FRACTION
+    if cfg.backend.kv_cache_free_gpu_mem_fraction is not None:
+        return cfg.backend.kv_cache_free_gpu_mem_fraction
+    return SHARED_KV_FRACTION if cfg.backend.draft_placement == "shared" and cfg.draft[0] != NGRAM_DRAFT else ALONE_KV_FRACTION
 
 
 def _draft_job(jobs: list[ModelJob]) -> Optional[ModelJob]:
     return jobs[1] if len(jobs) > 1 else None
 
 
-def _planned(job: ModelJob, cfg: GpuBuildConfig, work: Path) -> PlannedModel:
-    artifacts = job.engine_dir if cfg.backend == "trtllm" else tensorrt_engine_dir(work, job.role)
-    if cfg.backend == "trtllm" and cfg.trtllm_flow == "llmapi":
+def _planned(job: ModelJob, cfg: BuildConfig, work: Path) -> PlannedModel:
+    artifacts = job.engine_dir if cfg.backend.kind == "trtllm" else tensorrt_engine_dir(work, job.role)
+    if _flow(cfg) == "llmapi":
         from specpipe.build.trtllm import llmapi_model_dir
 
         artifacts = llmapi_model_dir(job)

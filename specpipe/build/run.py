@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 from specpipe.build.plan import PLAN_JSON, Plan, plan_jobs, tensorrt_engine_dir, write_plan_repository, write_serve_config
 from specpipe.build.steps import Step
-from specpipe.config import GpuBuildConfig
+from specpipe.config import BuildConfig
 from specpipe.engines import upstream
 from specpipe.errors import EngineError, SpecpipeError
 
@@ -26,7 +26,7 @@ class GpuUnavailableError(SpecpipeError):
     """The machine lacks what a real GPU build needs (CUDA, packages, the pinned checkout)."""
 
 
-def missing_requirements(plan: Plan, cfg: GpuBuildConfig) -> list[str]:
+def missing_requirements(plan: Plan, cfg: BuildConfig) -> list[str]:
     """What this machine lacks for `plan`, each as a short phrase; empty when the build can run."""
     needs = set(plan.requirements())
     missing = []
@@ -53,11 +53,11 @@ def missing_requirements(plan: Plan, cfg: GpuBuildConfig) -> list[str]:
     if "modelopt" in needs and importlib.util.find_spec("modelopt") is None:
         missing.append("nvidia-modelopt")
     if "modelopt-checkout" in needs:
-        script = Path(cfg.modelopt_checkout) / upstream.MODELOPT_PTQ_SCRIPT
+        script = Path(cfg.backend.modelopt_checkout) / upstream.MODELOPT_PTQ_SCRIPT
         if not script.is_file():
-            missing.append(f"a NVIDIA/Model-Optimizer checkout in {cfg.modelopt_checkout} (--modelopt-checkout; no {script})")
+            missing.append(f"a NVIDIA/Model-Optimizer checkout in {cfg.backend.modelopt_checkout} (--modelopt-checkout; no {script})")
     if "trtllm-checkout" in needs:
-        checkout = Path(cfg.trtllm_checkout)
+        checkout = Path(cfg.backend.trtllm_checkout)
         probe = checkout / (upstream.QUANTIZE_SCRIPT if plan.flow == "engine" else upstream.LLMAPI_TEMPLATES_DIR)
         if not probe.exists():
             tag = upstream.TRTLLM_ENGINE_TAG if plan.flow == "engine" else f"a >= v{upstream.TRTLLM_LLMAPI_MIN_VERSION} tag"
@@ -65,7 +65,7 @@ def missing_requirements(plan: Plan, cfg: GpuBuildConfig) -> list[str]:
     return missing
 
 
-def run_plan(plan: Plan, cfg: GpuBuildConfig, progress: Optional[Progress] = None) -> Path:
+def run_plan(plan: Plan, cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     """Build everything the plan lists. Returns the work folder (engines/<name>)."""
     say = progress or (lambda msg: None)
     missing = missing_requirements(plan, cfg)
@@ -80,7 +80,7 @@ def run_plan(plan: Plan, cfg: GpuBuildConfig, progress: Optional[Progress] = Non
     return work
 
 
-def _command(step: Step, plan: Plan, cfg: GpuBuildConfig, work: Path) -> None:
+def _command(step: Step, plan: Plan, cfg: BuildConfig, work: Path) -> None:
     result = subprocess.run(step.argv, capture_output=True, text=True)
     if result.returncode != 0:
         tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
@@ -90,7 +90,7 @@ def _command(step: Step, plan: Plan, cfg: GpuBuildConfig, work: Path) -> None:
 def _resolve(step, plan, cfg, work):
     from specpipe.checkpoint import check_pair, resolve_checkpoint
 
-    resolved = resolve_checkpoint(step.kwargs["spec"], allow_pickle=False)
+    resolved = resolve_checkpoint(step.kwargs["spec"], allow_pickle=cfg.allow_pickle)
     link = work / "hf" / step.role
     link.parent.mkdir(parents=True, exist_ok=True)
     if link.is_symlink() or link.exists():
@@ -115,12 +115,11 @@ def _export(step, plan, cfg, work):
 def _quantize(step, plan, cfg, work):
     from transformers import AutoTokenizer
 
-    from specpipe.config import QuantConfig
     from specpipe.quantize.calibration import calibration_batches
     from specpipe.quantize.graph import load_model, untie_lm_head
     from specpipe.quantize.static import quantize_calibrated
 
-    quant = QuantConfig(mode=step.kwargs["mode"])
+    quant = cfg.quant if step.role == "target" else cfg.draft_quant  # its calibration prompts, size and window
     tokenizer = AutoTokenizer.from_pretrained(str(work / "tokenizer"))
     model = load_model(Path(step.kwargs["model"]).parent)
     untie_lm_head(model)
@@ -186,7 +185,7 @@ def _repository(step, plan, cfg, work):
     if plan.backend == "tensorrt":  # specpipe's own repository, over the deployment just built
         from specpipe.triton.repository import DEFAULT_MODEL_NAME, write_repository
 
-        write_repository(work, Path(plan.repo_dir), model_name=DEFAULT_MODEL_NAME, force=True)
+        write_repository(work, Path(plan.repo_dir), instance_count=cfg.triton_instances, model_name=DEFAULT_MODEL_NAME, force=True)
     else:
         write_plan_repository(plan, cfg)
 
@@ -249,7 +248,7 @@ def _plan_json(step, plan, cfg, work):
     (work / PLAN_JSON).write_text(plan.model_dump_json(indent=2) + "\n")
 
 
-_RUN: dict[str, Callable[[Step, Plan, GpuBuildConfig, Path], None]] = {
+_RUN: dict[str, Callable[[Step, Plan, BuildConfig, Path], None]] = {
     "command": _command,
     "resolve": _resolve,
     "tokenizer": _tokenizer,

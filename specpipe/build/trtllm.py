@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specpipe.build.steps import Step
 from specpipe.checkpoint.shape import ModelShape
+from specpipe.config import NgramConfig
 from specpipe.engines import upstream
 
 # trtllm-build's own default (gh-pages 1.2.1/commands/trtllm-build.html); raised to max_input_len so a
@@ -75,7 +76,7 @@ class Limits(BaseModel):
     max_input_len: int
     max_seq_len: int  # the target's context, capped, when not given
     max_draft_len: int
-    calib_size: int
+    calib_size: Optional[int] = None  # ModelOpt's calibration samples (TensorRT-LLM)
 
 
 def needs_modelopt(job: ModelJob) -> bool:
@@ -327,13 +328,13 @@ def is_eagle3_head(shape: ModelShape) -> bool:
     return shape.architecture in upstream.EAGLE3_ARCHITECTURES
 
 
-def llmapi_args(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> dict[str, Any]:
-    """The LLM(...) arguments both serving paths share. `draft` None: n-gram drafting."""
+def llmapi_args(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int],
+                ngram: NgramConfig) -> dict[str, Any]:
+    """The LLM(...) arguments both serving paths share. `draft` None: n-gram drafting, up to `ngram.ngram_max` tokens
+    matched (the CPU build's --ngram-max)."""
     spec: Any
     if draft is None:
-        from specpipe.config import NgramConfig  # the CPU build's lookup sizes: one default for both
-
-        spec = NGramSpec(max_draft_len=limits.max_draft_len, max_matching_ngram_size=NgramConfig().ngram_max, draft_len_schedule=schedule)
+        spec = NGramSpec(max_draft_len=limits.max_draft_len, max_matching_ngram_size=ngram.ngram_max, draft_len_schedule=schedule)
     elif is_eagle3_head(draft.shape):
         off = [batch for batch, draft_len in schedule.items() if draft_len == 0]
         spec = Eagle3Spec(
@@ -356,12 +357,14 @@ def llmapi_args(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_
     )
 
 
-def llmapi_model_yaml(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> LlmApiModelYaml:
-    return LlmApiModelYaml(**llmapi_args(target, draft, limits, kv_fraction, schedule))
+def llmapi_model_yaml(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int],
+                      ngram: NgramConfig) -> LlmApiModelYaml:
+    return LlmApiModelYaml(**llmapi_args(target, draft, limits, kv_fraction, schedule, ngram))
 
 
-def trtllm_serve_config(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> LlmApiArgs:
-    return LlmApiArgs(**llmapi_args(target, draft, limits, kv_fraction, schedule))
+def trtllm_serve_config(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int],
+                        ngram: NgramConfig) -> LlmApiArgs:
+    return LlmApiArgs(**llmapi_args(target, draft, limits, kv_fraction, schedule, ngram))
 
 
 def trtllm_serve_command(model_dir: Path, config_path: Path) -> tuple[str, ...]:
