@@ -19,7 +19,7 @@ from specpipe.config import BuildConfig, make_config
 from specpipe.errors import IncompatiblePairError, UsageError
 from specpipe.build import GpuMemoryError, make_plan, render_plan, write_plan_repository
 from specpipe.build.memory import GB, kv_bytes_per_token
-from specpipe.checkpoint.shape import resolve_shape, shape_from_config
+from specpipe.checkpoint.facts import resolve_shape, shape_from_config
 from specpipe.engines.tensorrt_build import optimization_profiles, select_profile
 from specpipe.triton.model_config import parse_config, read_config
 from specpipe.triton.trtllm_repo import compare_with_templates, parse_template

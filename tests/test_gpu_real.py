@@ -28,7 +28,7 @@ def _build(checkpoint: Path, work: Path) -> tuple[Path, Path]:
     """ONNX export -> (ONNX Runtime folder, TensorRT folder), fp32, so the two can be compared closely."""
     from specpipe.engines.onnxruntime import write_engine_meta
     from specpipe.export.onnx import export_onnx
-    from specpipe.checkpoint.shape import shape_from_config
+    from specpipe.checkpoint.facts import shape_from_config
     from specpipe.engines.tensorrt_build import build_engine, optimization_profiles, write_tensorrt_meta
 
     shape = shape_from_config(json.loads((checkpoint / "config.json").read_text()), spec=str(checkpoint))

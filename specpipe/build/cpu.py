@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
-from specpipe.checkpoint.shape import CONTEXT_LENGTH_UNSAID
+from specpipe.checkpoint.facts import CONTEXT_LENGTH_UNSAID
 from specpipe.config import MAX_SEQ_LEN, BuildConfig, draft_kind
 from specpipe.engines.onnxruntime import TARGET_MIN_ROWS, OrtEngine, optimize_for_cpu, write_engine_meta
 from specpipe.errors import ExportError, OutputExistsError, UsageError

@@ -26,7 +26,7 @@ from specpipe.build.trtllm import (
     trtllm_serve_command,
     trtllm_serve_config,
 )
-from specpipe.checkpoint.shape import ModelShape, resolve_shape
+from specpipe.checkpoint.facts import ModelShape, resolve_shape
 from specpipe.config import MAX_SEQ_LEN, BuildConfig, TrtllmBackend
 from specpipe.engines import upstream
 from specpipe.engines.tensorrt_build import PLAN_FILE, optimization_profiles
@@ -56,6 +56,7 @@ class _Frozen(BaseModel):
 
 class PlannedModel(_Frozen):
     role: str
+    spec: str  # what the user named: an alias or a folder
     shape: ModelShape
     quant: str
     kv_cache_dtype: str
@@ -102,7 +103,7 @@ def make_plan(cfg: BuildConfig) -> Plan:
     ngram = cfg.draft[0] == NGRAM_DRAFT
     target = resolve_shape(cfg.target)
     draft = None if ngram else resolve_shape(cfg.draft[0])
-    notes = _check_pair(target, draft) if draft is not None else []
+    notes = _check_pair(cfg.target, cfg.draft[0]) if draft is not None else []
     if _flow(cfg) == "llmapi" and cfg.backend.draft_tp_size != cfg.backend.tp_size and not ngram:
         # the LLM API loads the draft into the target's executor, split over the same GPUs
         notes.append(f"the draft runs inside the target's LLM on its {cfg.backend.tp_size} GPU(s) (tp {cfg.backend.tp_size}), not --draft-tp-size {cfg.backend.draft_tp_size}")
@@ -127,10 +128,10 @@ def make_plan(cfg: BuildConfig) -> Plan:
     first_draft = 0 if shared else cfg.backend.tp_size
     draft_gpus = tuple(range(first_draft, first_draft + cfg.backend.draft_tp_size))
     target_kv, draft_kv = _kv_cache_dtypes(cfg, notes)
-    jobs = [ModelJob("target", target, work / "hf" / "target", cfg.quant.mode, target_kv, cfg.backend.tp_size, target_gpus, work / "trtllm" / "target")]
+    jobs = [ModelJob("target", cfg.target, target, work / "hf" / "target", cfg.quant.mode, target_kv, cfg.backend.tp_size, target_gpus, work / "trtllm" / "target")]
     if draft is not None:
         jobs.append(
-            ModelJob("draft", draft, work / "hf" / "draft", cfg.draft_quant.mode, draft_kv, cfg.backend.draft_tp_size, draft_gpus, work / "trtllm" / "draft")
+            ModelJob("draft", cfg.draft[0], draft, work / "hf" / "draft", cfg.draft_quant.mode, draft_kv, cfg.backend.draft_tp_size, draft_gpus, work / "trtllm" / "draft")
         )  # fmt: skip
     memory = plan_memory(cfg, target, draft, max_seq_len, kv_cache_dtypes=(target_kv, draft_kv))
     _check_fits(cfg, target, draft, max_seq_len, memory, notes)
@@ -276,11 +277,11 @@ def _check_fits(cfg: BuildConfig, target: ModelShape, draft: Optional[ModelShape
     )  # fmt: skip
 
 
-def _check_pair(target: ModelShape, draft: ModelShape) -> list[str]:
+def _check_pair(target: str, draft: str) -> list[str]:
     """Offline pair check: aliases carry tokenizer families; folders are checked token by token at build time."""
     from specpipe.checkpoint import check_facts_pair, get_alias
 
-    t, d = get_alias(target.spec), get_alias(draft.spec)
+    t, d = get_alias(target), get_alias(draft)
     if t is not None and d is not None:
         check_facts_pair(t, d)  # raises IncompatiblePairError listing every problem
         return []
@@ -327,11 +328,12 @@ def _check_options(cfg: BuildConfig, target: ModelShape, draft: Optional[ModelSh
     if cfg.backend.kind == "trtllm":
         if _flow(cfg) == "engine" and draft is not None and is_eagle3_head(draft):
             problems.append("an EAGLE-3 head drafts through the LLM-API flow only; drop --trtllm-flow engine")
-        models = (("target", target, cfg.backend.tp_size),) + ((("draft", draft, cfg.backend.draft_tp_size),) if draft is not None else ())
-        for role, shape, tp in models:
+        models = (("target", cfg.target, target, cfg.backend.tp_size),)
+        models += (("draft", cfg.draft[0], draft, cfg.backend.draft_tp_size),) if draft is not None else ()
+        for role, spec, shape, tp in models:
             why = valid_tp(shape, tp)
             if why:
-                problems.append(f"{role} {shape.spec}: {why}")
+                problems.append(f"{role} {spec}: {why}")
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -549,7 +551,7 @@ def write_serve_config(plan: Plan, cfg: BuildConfig) -> Path:
 def plan_jobs(plan: Plan) -> list[ModelJob]:
     work = Path(plan.work_dir)
     return [
-        ModelJob(m.role, m.shape, work / "hf" / m.role, m.quant, m.kv_cache_dtype, m.tp, m.gpus, work / "trtllm" / m.role)  # type: ignore[arg-type]
+        ModelJob(m.role, m.spec, m.shape, work / "hf" / m.role, m.quant, m.kv_cache_dtype, m.tp, m.gpus, work / "trtllm" / m.role)  # type: ignore[arg-type]
         for m in (plan.target, plan.draft) if m is not None
     ]
 
@@ -581,7 +583,7 @@ def _planned(job: ModelJob, cfg: BuildConfig, work: Path) -> PlannedModel:
 
         artifacts = llmapi_model_dir(job)
     return PlannedModel(
-        role=job.role, shape=job.shape, quant=job.quant, kv_cache_dtype=job.kv_cache_dtype, tp=job.tp, gpus=job.gpus,
+        role=job.role, spec=job.spec, shape=job.shape, quant=job.quant, kv_cache_dtype=job.kv_cache_dtype, tp=job.tp, gpus=job.gpus,
         artifacts=str(artifacts),
     )  # fmt: skip
 
@@ -600,7 +602,7 @@ def render_plan(plan: Plan) -> str:
             continue
         s = m.shape
         lines.append(
-            f"  {m.role:6} {s.spec}: {s.params / 1e9:.2f}B params, {s.layers} layers, hidden {s.hidden}, heads {s.heads}/{s.kv_heads} kv,"
+            f"  {m.role:6} {m.spec}: {s.params / 1e9:.2f}B params, {s.layers} layers, hidden {s.hidden}, heads {s.heads}/{s.kv_heads} kv,"
             f" vocab {s.vocab}; quant {m.quant}, KV {m.kv_cache_dtype}, tp {m.tp} on GPU {','.join(map(str, m.gpus))}"
         )
     lines.append("")

@@ -167,7 +167,7 @@ def _manifest(step, plan, cfg, work):
     for model in (plan.target, plan.draft):
         folder, checkpoint = tensorrt_engine_dir(work, model.role), work / "hf" / model.role
         entries[model.role] = ModelEntry(
-            source=model.shape.spec, resolved_path=str(checkpoint.resolve()), weights_sha256=weights_sha256(checkpoint),
+            source=model.spec, resolved_path=str(checkpoint.resolve()), weights_sha256=weights_sha256(checkpoint),
             checkpoint=inspect_checkpoint(checkpoint).model_dump(mode="json"),
             engine=EngineRecord(path=folder.name, backend="tensorrt", quant=model.quant, files=file_hashes(folder)),
         )  # fmt: skip

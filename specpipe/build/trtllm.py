@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from specpipe.build.steps import Step
-from specpipe.checkpoint.shape import ModelShape
+from specpipe.checkpoint.facts import ModelShape
 from specpipe.config import NgramConfig
 from specpipe.engines import upstream
 
@@ -41,6 +41,7 @@ class ModelJob:
     """One model of the pair and where its artifacts go."""
 
     role: Literal["target", "draft"]
+    spec: str  # what the user named: an alias or a folder
     shape: ModelShape
     hf_dir: Path  # the resolved Hugging Face folder (a link the resolve step makes)
     quant: str  # specpipe mode: none | fp8 | int8 | int8-wo | int4-wo

@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from specpipe.checkpoint.shape import ModelShape
+from specpipe.checkpoint.facts import ModelShape
 from specpipe.errors import EngineError
 
 PLAN_FILE = "model.plan"
