@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -13,6 +14,12 @@ class Strict(BaseModel):
 
 
 BenchPromptSet = Literal["code", "chat", "grounded"]  # the packaged prompt sets (specpipe/bench/prompts)
+
+# Intra-op threads of ONNX Runtime (and torch) wherever none are given: the README's measurements use 2.
+THREADS = 2
+THREADS_HELP = "ONNX Runtime intra-op threads"
+# The longest sequence an engine is built for when the model's context is longer (or --max-seq-len not given).
+MAX_SEQ_LEN = 8192
 
 
 class SamplingConfig(Strict):
@@ -65,7 +72,7 @@ class BuildConfig(Strict):
 
     `draft` lists candidates. One is built and deployed as asked. Several are each built and measured
     against the target alone, and the fastest is deployed, or none when no draft beats the target alone
-    by `choice.min_speedup` (specpipe/draft_choice.py).
+    by `choice.min_speedup` (specpipe/build/draft_choice.py).
     """
 
     target: str
@@ -85,27 +92,12 @@ class BuildConfig(Strict):
         "draft-vocab.json), else the whole vocabulary",
     )
     triton_instances: int = Field(1, ge=1, description="Triton model instances: requests served in parallel")
-    max_batch_size: int = Field(
-        16, ge=1, le=256,
-        description="requests decoded together (continuous batching); 1 = one request at a time per instance",
-    )
-    max_queue: int = Field(64, ge=0, description="requests that may wait for a batch slot; beyond that a request is refused at once")
-    draft_schedule: Optional[str] = Field(
-        None,
-        description="batch size -> K table overriding adaptive K under load, e.g. '1:4,4:2,8:1' (up to 1 "
-        "request K=4, up to 4 K=2, up to 8 K=1, more: 0 = no speculation); default: chosen per step by goodput",
-    )
-    target_graph: Literal["auto", "genai", "optimum"] = Field(
-        "auto",
-        description="target ONNX graph: genai = onnxruntime-genai's model builder (GroupQueryAttention, shared KV "
-        "buffer: batches requests); optimum = optimum's export; auto = genai for Llama-family targets, unquantized or "
-        "weight-only quantized",
-    )
     force: bool = False
     allow_pickle: bool = False
-    threads: int = Field(2, ge=1, description="ONNX Runtime intra-op threads")
-    export_tolerance: float = Field(1e-3, gt=0, description="max |logit diff| engine vs torch (fp32)")
-    backend: Literal["onnxruntime"] = "onnxruntime"
+    backend: "Backend" = Field(
+        default_factory=lambda: OnnxRuntimeBackend(),
+        description="onnxruntime: CPU engines; tensorrt: TensorRT engines from the ONNX graphs; trtllm: TensorRT-LLM (multi-GPU)",
+    )
     ngram: "NgramConfig" = Field(default_factory=lambda: NgramConfig(), description="--draft ngram: lookup sizes")
     choice: "DraftChoiceConfig" = Field(default_factory=lambda: DraftChoiceConfig(),
                                         description="several --draft candidates: how they are measured and chosen")
@@ -124,13 +116,6 @@ class BuildConfig(Strict):
     def _one_draft_is_a_list_of_one(cls, v):
         return [v] if isinstance(v, str) else v
 
-    @field_validator("draft_schedule")
-    @classmethod
-    def _schedule_parses(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None:
-            parse_draft_schedule(v)
-        return v
-
     @field_validator("draft")
     @classmethod
     def _candidates_are_valid_and_distinct(cls, v: list[str]) -> list[str]:
@@ -145,10 +130,35 @@ class BuildConfig(Strict):
             raise ValueError(f"{', '.join(repeated)} given more than once")
         return v
 
+    @model_validator(mode="after")
+    def _gpu_backends_build_one_draft_model(self) -> "BuildConfig":
+        if self.backend.kind != "onnxruntime":
+            if len(self.draft) != 1:
+                raise ValueError(f"--backend {self.backend.kind} builds one --draft; got {len(self.draft)}")
+            if self.draft_vocab is not None:
+                raise ValueError("--draft-vocab applies to --backend onnxruntime")
+        return self
+
+    @property
+    def output_name(self) -> str:
+        """The build's folder under engines_dir: --name, else one derived from the pair."""
+        return self.name or default_name(self.target, self.draft)
+
     @property
     def choosing(self) -> bool:
         """Several candidates: measure them all and deploy the fastest (or none)."""
         return len(self.draft) > 1
+
+
+def default_name(target: str, drafts: list[str]) -> str:
+    """TARGET--DRAFT from the last path component of each (TARGET--auto for several candidates: chosen at build)."""
+
+    def short(spec: str) -> str:
+        stem = Path(spec.rstrip("/")).name
+        stem = stem[:-5] if stem.endswith(".gguf") else stem
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.") or "model"
+
+    return f"{short(target)}--{short(drafts[0]) if len(drafts) == 1 else 'auto'}"
 
 
 DraftKind = Literal["model", "ngram", "self", "none"]
@@ -352,7 +362,7 @@ class DistillConfig(Strict):
     checkpoint_every: int = Field(50, ge=1, description="steps between saved training states (for --resume)")
     resume: bool = Field(False, description="continue a stopped run from OUT's saved training state")
     force: bool = Field(False, description="replace an existing OUT")
-    threads: int = Field(2, ge=1, description="torch threads")
+    threads: int = Field(THREADS, ge=1, description="torch threads")
 
 
 class BenchConfig(Strict):
@@ -369,7 +379,7 @@ class BenchConfig(Strict):
     adaptive: bool = Field(True, description="also run the default adaptive draft length")
     peer: bool = Field(True, description="also run transformers assisted generation on the torch checkpoints")
     max_new_tokens: int = Field(128, ge=1)
-    threads: int = Field(2, ge=1, description="ONNX Runtime intra-op threads and torch threads")
+    threads: int = Field(THREADS, ge=1, description=THREADS_HELP + " and torch threads")
     chat: bool = Field(True, description="apply the tokenizer's chat template to each prompt")
     max_prompts: Optional[int] = Field(None, ge=1, description="use only the first N prompts of each set")
     warmup_prompts: int = Field(1, ge=0, description="untimed runs per row before measuring")
@@ -434,8 +444,14 @@ def make_config(model: type[BaseModel], **values):
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            option = "--" + "-".join(str(part) for part in err["loc"] if isinstance(part, str)).replace("_", "-")
-            problems.append(f"{option}: {err['msg']}" if err["loc"] else err["msg"])
+            names = [part for part in err["loc"] if isinstance(part, str)]
+            if names[:1] == ["backend"] and len(names) > 2:  # backend, its kind, the field: the option is the field's
+                if err["type"] == "extra_forbidden":
+                    problems.append(f"--{names[2].replace('_', '-')} does not apply to --backend {names[1]}")
+                    continue
+                names = names[2:]
+            message = err["msg"].removeprefix("Value error, ")
+            problems.append(f"--{'-'.join(names).replace('_', '-')}: {message}" if names else message)
         raise UsageError("; ".join(problems)) from None
 
 
@@ -446,6 +462,14 @@ def field_default(model: type[BaseModel], name: str):
 
 def field_help(model: type[BaseModel], name: str) -> str:
     return model.model_fields[name].description or ""
+
+
+def field_choices(model: type[BaseModel], name: str) -> list[str]:
+    """The values of a Literal field (or of a list or Optional of one), for click.Choice."""
+    annotation = model.model_fields[name].annotation
+    while get_origin(annotation) is not Literal:
+        annotation = next(arg for arg in get_args(annotation) if arg is not type(None))
+    return list(get_args(annotation))
 
 
 # `--draft self:MODE`: weight-only modes only. A self-draft must be much cheaper than the target, and these
@@ -520,44 +544,88 @@ class QuantConfig(Strict):
         return self.mode in ("int8", "fp8")
 
 
-BuildConfig.model_rebuild()  # resolves its NgramConfig / DraftChoiceConfig / QuantConfig fields, defined after it
+# ---- `specpipe build --backend`: how the engines are built. Upstream names (trtllm-build flags, quantize.py
+# qformats, tensorrtllm_backend parameters) are looked up in specpipe/engines/upstream.py; these fields are
+# specpipe's own vocabulary.
 
 
-# ---- GPU backends (`specpipe build --backend tensorrt|trtllm`): what specpipe.gpu.make_plan plans.
-# Upstream names (trtllm-build flags, quantize.py qformats, tensorrtllm_backend parameters) are looked
-# up in specpipe/gpu/upstream.py; these fields are specpipe's own vocabulary.
+class OnnxRuntimeBackend(Strict):
+    """CPU engines: exported, optimized for ONNX Runtime, checked against torch and timed on this machine."""
 
-GpuBackend = Literal["tensorrt", "trtllm"]
+    kind: Literal["onnxruntime"] = "onnxruntime"
+    threads: int = Field(THREADS, ge=1, description=THREADS_HELP)
+    export_tolerance: float = Field(1e-3, gt=0, description="max |logit diff| engine vs torch (fp32)")
+    max_batch_size: int = Field(
+        16, ge=1, le=256,
+        description="requests decoded together (continuous batching); 1 = one request at a time per instance "
+        "(--backend tensorrt/trtllm: 8 unless given)",
+    )
+    max_queue: int = Field(64, ge=0, description="requests that may wait for a batch slot; beyond that a request is refused at once")
+    draft_schedule: Optional[str] = Field(
+        None,
+        description="batch size -> K table overriding adaptive K under load, e.g. '1:4,4:2,8:1' (up to 1 "
+        "request K=4, up to 4 K=2, up to 8 K=1, more: 0 = no speculation); default: chosen per step by goodput",
+    )
+    target_graph: Literal["auto", "genai", "optimum"] = Field(
+        "auto",
+        description="target ONNX graph: genai = onnxruntime-genai's model builder (GroupQueryAttention, shared KV "
+        "buffer: batches requests); optimum = optimum's export; auto = genai for Llama-family targets, unquantized or "
+        "weight-only quantized",
+    )
+
+    @field_validator("draft_schedule")
+    @classmethod
+    def _schedule_parses(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            parse_draft_schedule(v)
+        return v
 
 
-class GpuBuildConfig(Strict):
-    """A draft/target pair -> GPU engines and their Triton repository, planned first, built where CUDA is."""
+class _GpuBackend(Strict):
+    """What both GPU backends plan: everything is decided (and printed with --dry-run) before a GPU step runs."""
 
-    target: str
-    draft: str
-    backend: GpuBackend = Field("trtllm", description="tensorrt: ONNX -> TensorRT engines; trtllm: TensorRT-LLM")
+    dtype: Literal["float16", "bfloat16"] = Field("float16", description="precision of everything not quantized")
+    gpu_memory_gb: Optional[float] = Field(None, gt=0, description="memory of one GPU (GB = 1e9 bytes); checks the plan fits")
+    max_batch_size: int = Field(8, ge=1, description="requests scheduled at once (engines and Triton)")
+    max_input_len: int = Field(2048, ge=1, description="longest prompt, tokens")
+    max_seq_len: Optional[int] = Field(
+        None, ge=2, description=f"prompt + output tokens; None = the target's context, at most {MAX_SEQ_LEN}")
+    dry_run: bool = Field(False, description="print the plan and write the Triton repository; run no GPU step")
+
+
+class TensorRTBackend(_GpuBackend):
+    """ONNX graphs -> TensorRT engines on one GPU, served by specpipe's own Triton model."""
+
+    kind: Literal["tensorrt"] = "tensorrt"
+
+    # Single-GPU engines, the draft beside the target: tensor parallelism and placement are TensorRT-LLM's options.
+    @property
+    def tp_size(self) -> int:
+        return 1
+
+    @property
+    def draft_tp_size(self) -> int:
+        return 1
+
+    @property
+    def draft_placement(self) -> str:
+        return "shared"
+
+
+class TrtllmBackend(_GpuBackend):
+    """TensorRT-LLM, tensor parallel over several GPUs, served by trtllm-serve or its Triton backend."""
+
+    kind: Literal["trtllm"] = "trtllm"
     trtllm_flow: Literal["engine", "llmapi"] = Field(
         "llmapi",
         description="llmapi: TensorRT-LLM >= 1.3's LLM API (PyTorch backend, speculative_config) served by trtllm-serve "
         "or Triton's llmapi model; engine: convert/quantize + trtllm-build + tensorrtllm_backend, pinned to 1.2.1",
     )
-    name: Optional[str] = Field(None, description="default: derived from the pair")
-    engines_dir: Path = Path("engines")
-    repo_dir: Optional[Path] = Field(Path("triton_repo"), description="Triton model repository to write; None = none")
-    quant: QuantMode = Field("none", description="target weights/activations")
-    draft_quant: QuantMode = Field("none", description="draft weights/activations")
-    kv_cache_dtype: KvCacheDtype = Field("auto", description="KV cache precision; auto = the model dtype")
-    dtype: Literal["float16", "bfloat16"] = Field("float16", description="precision of everything not quantized")
     tp_size: int = Field(1, ge=1, description="tensor parallel GPUs for the target")
     draft_tp_size: int = Field(1, ge=1, description="tensor parallel GPUs for the draft")
     draft_placement: Literal["shared", "separate"] = Field(
         "shared", description="shared: the draft runs on the target's first GPU; separate: on its own GPU(s)"
     )
-    gpu_memory_gb: Optional[float] = Field(None, gt=0, description="memory of one GPU (GB = 1e9 bytes); checks the plan fits")
-    max_draft_len: int = Field(8, ge=1, le=64, description="largest K the engines are built for")
-    max_batch_size: int = Field(8, ge=1, description="requests scheduled at once (engines and Triton)")
-    max_input_len: int = Field(2048, ge=1, description="longest prompt, tokens")
-    max_seq_len: Optional[int] = Field(None, ge=2, description="prompt + output tokens; None = the target's context, at most 8192")
     kv_cache_free_gpu_mem_fraction: Optional[float] = Field(
         None, gt=0, le=1, description="share of free GPU memory for each model's KV cache; None = 0.9, or 0.45 when sharing a GPU"
     )
@@ -571,19 +639,24 @@ class GpuBuildConfig(Strict):
     draft_len_schedule: Optional[dict[int, int]] = Field(
         None,
         description="llmapi flow: {batch size: draft length} for TensorRT-LLM's in-flight batching (0 = no speculation);"
-        " None = K below batch 4, halved at 4 and at each doubling after (specpipe.gpu.trtllm.default_draft_len_schedule)",
+        " None = K below batch 4, halved at 4 and at each doubling after (specpipe.build.trtllm.default_draft_len_schedule)",
     )
-    dry_run: bool = Field(False, description="print the plan and write the Triton repository; run no GPU step")
+
+
+Backend = Annotated[Union[OnnxRuntimeBackend, TensorRTBackend, TrtllmBackend], Field(discriminator="kind")]
+BACKENDS: dict[str, type[Strict]] = {b.model_fields["kind"].default: b for b in (OnnxRuntimeBackend, TensorRTBackend, TrtllmBackend)}
+
+BuildConfig.model_rebuild()  # resolves its fields defined after it (backend, ngram, choice, quant)
 
 
 def parse_draft_schedule(text: str) -> list[tuple[int, int]]:
     """'1:4,4:2,8:0' -> [(1, 4), (4, 2), (8, 0)]: batch sizes up to the bound draft K (ascending bounds)."""
     rows = []
-    for part in text.split(","):
-        bound, sep, k = part.strip().partition(":")
+    for part in text.split(','):
+        bound, sep, k = part.strip().partition(':')
         if not sep or not bound.strip().isdigit() or not k.strip().isdigit():
             raise ValueError(f"draft schedule {text!r}: write 'batch:K' pairs, e.g. '1:4,4:2,8:0'")
         rows.append((int(bound), int(k)))
     if [b for b, _ in rows] != sorted({b for b, _ in rows}) or rows[0][0] < 1:
-        raise ValueError(f"draft schedule {text!r}: batch sizes must be >= 1 and ascending")
+        raise ValueError(f'draft schedule {text!r}: batch sizes must be >= 1 and ascending')
     return rows

@@ -22,7 +22,8 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from specpipe.config import BuildConfig, DistillConfig, QuantConfig
+from specpipe.config import THREADS, BuildConfig, DistillConfig, QuantConfig
+from specpipe.manifest import MANIFEST, Manifest, read_manifest
 
 TARGET = "smollm2-135m"
 NAME = "smollm2-demo"
@@ -120,54 +121,53 @@ def build_engines(demo: Demo) -> str:
     """Build with two candidate drafts, the distilled model and prompt lookup, and deploy whichever the
     build measures fastest on this machine, or the target alone when neither beats it (build's
     `draft_choice`). Rebuilt only when the target, the draft's weights or the build settings changed."""
-    from specpipe.build import SERVED_MODEL, build
+    from specpipe.build import build
     from specpipe.checkpoint import weights_sha256
+    from specpipe.triton.repository import DEFAULT_MODEL_NAME
 
     folder = demo.engines_dir / NAME
-    manifest_path = folder / "manifest.json"
     # The draft's precision never changes the output, only how often it is accepted: keep it whatever
     # its accuracy against its fp32 self.
     cfg = BuildConfig(target=TARGET, draft=[str(demo.draft_path), "ngram"], name=NAME, engines_dir=demo.engines_dir,
                       repo_dir=demo.repo_dir, force=True,
                       draft_quant=QuantConfig(mode=DRAFT_QUANT, accept_accuracy_loss=True))
-    if manifest_path.is_file() and (demo.repo_dir / SERVED_MODEL).exists():
-        manifest = json.loads(manifest_path.read_text())
-        measured = {c.get("weights_sha256") for c in manifest.get("draft_choice", {}).get("candidates", [])}
-        same_settings = manifest.get("build") == json.loads(cfg.model_dump_json())
-        if (manifest["target"].get("weights_sha256") == demo.target.weights_sha256 and same_settings
+    if (folder / MANIFEST).is_file() and (demo.repo_dir / DEFAULT_MODEL_NAME).exists():
+        manifest = read_manifest(folder)
+        measured = {c.weights_sha256 for c in manifest.draft_choice.candidates} if manifest.draft_choice else set()
+        same_settings = manifest.build == json.loads(cfg.model_dump_json())
+        if (manifest.target.weights_sha256 == demo.target.weights_sha256 and same_settings
                 and weights_sha256(demo.draft_path) in measured):
             demo.engine_dir = folder
-            demo.results["manifest"] = manifest
+            demo.results["manifest"] = manifest.as_dict()
             return f"cached {folder} (same target, draft and settings): {_deployed(manifest)}"
     with demo.console.status("building") as status:
         demo.engine_dir = build(cfg, progress=lambda msg: (status.update(msg), demo.console.log(msg)))
-    manifest = json.loads((demo.engine_dir / "manifest.json").read_text())
-    demo.results["manifest"] = manifest
+    manifest = read_manifest(demo.engine_dir)
+    demo.results["manifest"] = manifest.as_dict()
     _print_choice(demo, manifest)
     return f"built {demo.engine_dir} and {demo.repo_dir}: {_deployed(manifest)}"
 
 
-def _deployed(manifest: dict) -> str:
-    choice = manifest.get("draft_choice")
+def _deployed(manifest: Manifest) -> str:
+    choice = manifest.draft_choice
     if not choice:
-        return f"deployed draft: {manifest['draft'].get('kind')}"
-    return f"deployed {choice['chosen']} ({choice['reason']})"
+        return f"deployed draft: {manifest.draft.kind}"
+    return f"deployed {choice.chosen} ({choice.reason})"
 
 
-def _print_choice(demo: Demo, manifest: dict) -> None:
-    choice = manifest.get("draft_choice")
+def _print_choice(demo: Demo, manifest: Manifest) -> None:
+    choice = manifest.draft_choice
     if not choice:
         return
     table = Table(title="draft candidates, measured on this machine (greedy, adaptive K)", title_justify="left")
     for column in ("candidate", "tok/s", "speedup", "acceptance", "= target"):
         table.add_column(column, justify="left" if column == "candidate" else "right")
-    for candidate in choice["candidates"]:
-        acceptance = candidate.get("acceptance_rate")
-        table.add_row(str(candidate["draft"])[-40:], f"{candidate['tokens_per_s']:.1f}", f"{candidate['speedup']:.2f}x",
-                      "-" if acceptance is None else f"{acceptance:.2f}",
-                      "yes" if candidate.get("matches_target", True) else "NO")
+    for candidate in choice.candidates:
+        acceptance = candidate.acceptance_rate
+        table.add_row(candidate.draft[-40:], f"{candidate.tokens_per_s:.1f}", f"{candidate.speedup:.2f}x",
+                      "-" if acceptance is None else f"{acceptance:.2f}", "yes" if candidate.matches_target == candidate.prompts else "NO")
     demo.console.print(table)
-    for warning in manifest.get("warnings", []):
+    for warning in manifest.warnings:
         demo.console.print(f"[yellow]warning:[/] {warning}")
 
 
@@ -175,9 +175,9 @@ def generate_samples(demo: Demo) -> str:
     """A few prompts, greedy: speculative (adaptive K) and the target alone on the same engine."""
     from specpipe.deployment import load_deployment
 
-    deployment = load_deployment(demo.engine_dir, threads=2)
+    deployment = load_deployment(demo.engine_dir, threads=THREADS)
     generator = deployment.generator
-    if deployment.manifest["draft"].get("kind") == "none":
+    if deployment.manifest.draft.kind == "none":
         return _generate_target_alone(demo, deployment)
     table = Table(title=f"{MAX_NEW_TOKENS} new tokens, greedy, 2 threads", title_justify="left")
     for column in ("prompt", "tok/s spec", "tok/s target", "speedup", "acceptance", "mean acc. len", "= target"):
@@ -265,7 +265,7 @@ def main(steps: Optional[list[Step]] = None) -> Demo:
     summary.add_column("step")
     summary.add_column("time", justify="right")
     summary.add_column("result")
-    machine = describe_machine(threads=2).summary()
+    machine = describe_machine(threads=THREADS).summary()
     console.print(f"machine: {machine}")
     started = time.perf_counter()
     for index, step in enumerate(steps or STEPS, 1):

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from specpipe.config import GenerationConfig, NgramConfig, parse_draft_schedule
-from specpipe.engines.base import Engine, load_engine
+from specpipe.config import THREADS, GenerationConfig, parse_draft_schedule
+from specpipe.engines import Engine, load_engine
 from specpipe.errors import EngineError
-from specpipe.manifest import read_manifest
-from specpipe.speculative.adaptive import BatchCosts, StepCosts
+from specpipe.manifest import DraftEntry, Manifest, ServingRecord, read_manifest
+from specpipe.speculative.adaptive import StepCosts
 from specpipe.speculative.batching import BatchScheduler
 from specpipe.speculative.drafters import Drafter, ModelDrafter
 from specpipe.speculative.generator import SpecGenerator
@@ -20,7 +20,7 @@ from specpipe.speculative.ngram import NgramDrafter
 @dataclass
 class Deployment:
     folder: Path
-    manifest: dict
+    manifest: Manifest
     tokenizer: object
     target: Engine
     drafter: Optional[Drafter]
@@ -33,7 +33,7 @@ class Deployment:
 
     @property
     def max_draft_len(self) -> int:
-        return int(self.manifest.get("max_draft_len", 8))
+        return self.manifest.max_draft_len
 
     def generation_config(self, **overrides) -> GenerationConfig:
         return bounded_generation_config(self.max_draft_len, **overrides)
@@ -51,34 +51,29 @@ def bounded_generation_config(max_draft_len: int, **overrides) -> GenerationConf
     return cfg
 
 
-def make_drafter(folder: Path, draft: dict, target: Engine, threads: int) -> Optional[Drafter]:
+def make_drafter(folder: Path, draft: DraftEntry, target: Engine, threads: int) -> Optional[Drafter]:
     """The drafter the manifest's `draft` section describes: kind model, self (the target quantized: a
     model draft too), ngram (prompt lookup, no engine), or none (the target alone: build found no draft
     that made decoding faster; every request then decodes target-only)."""
-    kind = draft.get("kind", "model")
-    if kind == "none":
+    if draft.kind == "none":
         return None
-    if kind in ("model", "self"):
-        return ModelDrafter(load_engine(folder / draft["engine"]["path"], threads=threads), target.vocab_size)
-    if kind == "ngram":
-        return NgramDrafter.from_config(NgramConfig(**draft["ngram"]))
-    raise EngineError(f"{folder}: unknown draft kind {kind!r} in manifest")
+    if draft.kind == "ngram":
+        return NgramDrafter.from_config(draft.ngram)
+    return ModelDrafter(load_engine(folder / draft.engine.path, threads=threads), target.vocab_size)
 
 
 def make_scheduler(target: Engine, drafter: Optional[Drafter], eos_token_ids, costs: Optional[StepCosts],
-                   manifest: dict) -> BatchScheduler:
+                   manifest: Manifest) -> BatchScheduler:
     """The continuous-batching scheduler with the build's limits, schedule and measured batch costs."""
-    serving = manifest.get("serving", {})
-    schedule = serving.get("draft_schedule")
+    serving = manifest.serving
     return BatchScheduler(
         target, drafter, eos_token_ids, costs,
-        max_batch_size=int(serving["max_batch_size"]), max_queue=int(serving.get("max_queue", 0)),
-        batch_costs=BatchCosts.from_dict(manifest["batch_costs"]) if "batch_costs" in manifest else None,
-        draft_schedule=parse_draft_schedule(schedule) if schedule else None,
+        max_batch_size=serving.max_batch_size, max_queue=serving.max_queue, batch_costs=manifest.batch_costs,
+        draft_schedule=parse_draft_schedule(serving.draft_schedule) if serving.draft_schedule else None,
     )
 
 
-def load_deployment(folder: str | Path, *, threads: int = 2, batching: bool = False,
+def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: bool = False,
                     max_batch_size: Optional[int] = None, max_queue: Optional[int] = None) -> Deployment:
     """`batching`: requests decode together (speculative/batching.py) up to the build's max_batch_size (or
     `max_batch_size`, with `max_queue`, when given: the Triton model's parameters); the served model asks for
@@ -87,18 +82,18 @@ def load_deployment(folder: str | Path, *, threads: int = 2, batching: bool = Fa
 
     folder = Path(folder)
     manifest = read_manifest(folder)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest["tokenizer"]["path"]))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest.tokenizer.path))
     # Builds record how the target must run for a 1-token step to score like a verify row (engines/onnxruntime.py).
-    target = load_engine(folder / manifest["target"]["engine"]["path"], threads=threads,
-                         min_rows=int(manifest["target"].get("min_rows_per_call", 1)))
-    drafter = make_drafter(folder, manifest["draft"], target, threads)
-    costs = StepCosts(**manifest["step_costs"]) if "step_costs" in manifest else None  # None: the drafter's defaults
-    eos_token_ids = manifest.get("eos_token_ids", ())
-    serving = {**manifest.get("serving", {}), **({"max_batch_size": max_batch_size} if max_batch_size else {}),
-               **({"max_queue": max_queue} if max_queue is not None and max_queue >= 0 else {})}
-    manifest = {**manifest, "serving": serving}
+    target = load_engine(folder / manifest.target.engine.path, threads=threads, min_rows=manifest.target.min_rows_per_call)
+    drafter = make_drafter(folder, manifest.draft, target, threads)
+    overrides = {**({"max_batch_size": max_batch_size} if max_batch_size else {}),
+                 **({"max_queue": max_queue} if max_queue is not None and max_queue >= 0 else {})}
+    if overrides:
+        manifest = manifest.model_copy(update={"serving": manifest.serving.model_copy(update=overrides)})
     decoder = None
-    if batching and int(serving.get("max_batch_size", 1)) > 1:
-        decoder = make_scheduler(target, drafter, eos_token_ids or (tokenizer.eos_token_id,), costs, manifest)
-    generator = SpecGenerator(target, drafter, tokenizer, eos_token_ids, costs, decoder=decoder)
+    if batching and manifest.serving.max_batch_size > 1:
+        eos = manifest.eos_token_ids or [tokenizer.eos_token_id]
+        decoder = make_scheduler(target, drafter, eos, manifest.step_costs, manifest)
+    # step_costs None (built before they were measured): the drafter's defaults
+    generator = SpecGenerator(target, drafter, tokenizer, manifest.eos_token_ids, manifest.step_costs, decoder=decoder)
     return Deployment(folder, manifest, tokenizer, target, drafter, generator)

@@ -17,11 +17,14 @@ import re
 import shlex
 import subprocess
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from typing import Optional
 
-from specpipe.manifest import library_versions
+from specpipe import __version__
 
 CPUINFO = "/proc/cpuinfo"
+# The libraries whose versions a build, a bench run and a gate report record.
+LIBRARIES = ("torch", "transformers", "optimum-onnx", "onnx", "onnxruntime", "numpy", "tritonclient", "nvidia-pytriton")
 
 # /proc/cpuinfo flag -> the name people use, in the order summary() prints them.
 ISA_FLAGS = {
@@ -134,6 +137,17 @@ class Machine:
 
     def as_dict(self) -> dict:
         return {"summary": self.summary(), **asdict(self)}
+
+
+def library_versions(libraries=LIBRARIES) -> dict[str, str]:
+    """Python's, specpipe's and each installed library's version (one not installed is left out)."""
+    versions = {"python": platform.python_version(), "specpipe": __version__}
+    for lib in libraries:
+        try:
+            versions[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
 
 
 def describe_machine(threads: Optional[int] = None, cpuinfo_path: str = CPUINFO) -> Machine:

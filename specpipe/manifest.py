@@ -1,30 +1,261 @@
-"""engines/<name>/manifest.json: what was built, from what, with which versions, and how it checked out."""
+"""engines/<name>/manifest.json: what was built, from what, with which versions, and how it checked out.
+
+`Manifest` is the contract between `build`, which writes it, and everything that opens a build (the
+deployment, the gate, bench, the Triton repository): readers name fields, never look up keys. The JSON is
+format 1 as it always was: a field added after the first builds is optional, and an optional part (default
+None) is written only when present, so a manifest reads back as it was written. Records of measurements
+other modules define (quantization's numbers, a candidate's measurement) keep every key they were written
+with; the fields typed here are the ones specpipe reads back.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import platform
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
 
-from specpipe import __version__
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+
+from specpipe.config import AccuracyBudget, NgramConfig, QuantMode
 from specpipe.errors import EngineError
+from specpipe.machine import library_versions
+from specpipe.quantize.accuracy import AccuracyReport
+from specpipe.speculative.adaptive import BatchCosts, StepCosts
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-_LIBRARIES = ["torch", "transformers", "optimum-onnx", "onnx", "onnxruntime", "numpy", "tritonclient", "nvidia-pytriton"]
 
 
-def library_versions(libraries=tuple(_LIBRARIES)) -> dict[str, str]:
-    versions = {"python": platform.python_version(), "specpipe": __version__}
-    for lib in libraries:
-        try:
-            versions[lib] = metadata.version(lib)
-        except metadata.PackageNotFoundError:
-            pass
-    return versions
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_serializer(mode="wrap")
+    def _leave_out_absent_parts(self, handler) -> dict[str, Any]:
+        fields = type(self).model_fields
+        return {key: value for key, value in handler(self).items()
+                if value is not None or key not in fields or fields[key].default is not None}  # fmt: skip
+
+
+class _Record(_Part):
+    """Numbers another module measured: typed where specpipe reads them back, every other key kept."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+
+class TokenizerRecord(_Part):
+    path: str = "tokenizer"  # relative to the build folder
+    hash: str
+
+
+class EngineRecord(_Part):
+    path: str  # the engine's folder, relative to the build folder (load_engine opens it)
+    backend: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
+    quant: QuantMode = "none"
+    graph: Literal["optimum", "genai"] = Field("optimum", description="which exporter made it (build/cpu.py target_graph)")
+    files: dict[str, str] = Field(default_factory=dict, description="file name -> sha256")
+
+
+class ExportCheck(_Part):
+    max_abs_diff: float  # engine vs torch logits
+    tolerance: float
+
+
+class QuantRecord(_Record):
+    """quantize.quantize_engine's block: the mode, how far the engine drifted, and the budget it was held to."""
+
+    mode: QuantMode
+    accuracy: Optional[AccuracyReport] = None  # absent for mode none
+    budget: Optional[AccuracyBudget] = None
+    reference_path: Optional[str] = None  # the unquantized engine kept beside it (validate --remeasure)
+
+
+class ConsistencyRecord(_Record):
+    """engines/consistency.py: the target's logits for a position alone vs inside a verify call."""
+
+    max_abs_logit_diff: float
+    argmax_flips: int
+    positions: int
+    chunk: int
+    exact: bool
+    near_tie_tolerance: Optional[float] = None
+    within_tolerance: bool = True
+    unpadded_max_abs_logit_diff: Optional[float] = None  # when 1-token calls had to run as 2 rows
+
+
+class VocabRecord(_Record):
+    """checkpoint/draft_vocab.py: the tokens a sliced draft head scores (the ids themselves are in engine.json)."""
+
+    size: int
+    coverage: float
+
+
+class Prediction(_Part):
+    """adaptive K's predicted speedup for the deployed draft, and where its acceptance came from."""
+
+    speedup: float
+    acceptance: float
+    acceptance_from: str
+
+
+class ModelEntry(_Part):
+    """A model built into an engine: the target, or a draft checkpoint."""
+
+    source: str  # what the user named
+    resolved_path: Optional[str] = None
+    weights_sha256: Optional[str] = None
+    checkpoint: dict[str, Any] = Field(default_factory=dict, description="checkpoint.CheckpointInfo as it was inspected")
+    engine: EngineRecord
+    export_check: Optional[ExportCheck] = None
+    quant: Optional[QuantRecord] = None
+    vocab: Optional[VocabRecord] = None  # a draft whose head scores only its most used tokens
+    verify_consistency: Optional[ConsistencyRecord] = None  # the target
+    min_rows_per_call: int = Field(1, ge=1, description="the target: rows each call runs (engines/onnxruntime.py)")
+    prediction: Optional[Prediction] = None  # a draft
+
+    @property
+    def quant_mode(self) -> QuantMode:
+        return self.quant.mode if self.quant is not None else self.engine.quant
+
+
+class ModelDraft(ModelEntry):
+    kind: Literal["model"] = "model"
+
+    @classmethod
+    def of(cls, entry: ModelEntry, **changes) -> "ModelDraft":
+        """A built model's entry as the draft's, with `changes` (the fields its builder set, no more)."""
+        return cls(kind="model", **{**{key: getattr(entry, key) for key in entry.model_fields_set}, **changes})
+
+
+class SelfDraft(_Part):
+    """The target's own engine, weight-only quantized (`--draft self:MODE`)."""
+
+    kind: Literal["self"] = "self"
+    source: str
+    engine: EngineRecord
+    quant: QuantRecord
+    prediction: Optional[Prediction] = None
+
+    @property
+    def quant_mode(self) -> QuantMode:
+        return self.quant.mode
+
+
+class NgramDraft(_Part):
+    """Prompt lookup: no engine."""
+
+    kind: Literal["ngram"] = "ngram"
+    source: str = "ngram"
+    ngram: NgramConfig
+
+
+class NoDraft(_Part):
+    """The target alone decodes every request (build found no draft that made decoding faster)."""
+
+    kind: Literal["none"] = "none"
+    source: str = "none"
+
+
+DraftEntry = Annotated[Union[ModelDraft, SelfDraft, NgramDraft, NoDraft], Field(discriminator="kind")]
+
+
+class CandidateMeasurement(_Record):
+    """One --draft candidate (or "none", the target alone) as build/draft_choice.py measured it: greedy, adaptive
+    K, every candidate and the target alone on the same prompts in one run; speedup over the target alone."""
+
+    draft: str  # the --draft value
+    kind: Literal["model", "self", "ngram", "none"]
+    prompts: int
+    tokens_generated: int
+    tokens_per_s: float
+    speedup: Optional[float]
+    acceptance_rate: Optional[float]  # None for the target alone
+    mean_accepted_len: Optional[float]
+    matches_target: Optional[int]  # prompts whose token ids equal the target alone's (greedy: all of them)
+    step_costs: Optional[StepCosts]  # this candidate's engines, on this machine
+    predicted_speedup: Optional[float]  # adaptive K's model for a draft with an engine, at the measured acceptance
+    # what was built, so a later build can tell whether it measured the same candidates
+    source: str
+    weights_sha256: Optional[str]  # a draft checkpoint's
+    build_timings_s: dict[str, float]
+
+
+class ChoiceSample(_Part):
+    prompt_sets: list[str]
+    prompts_per_set: int
+    new_tokens: int
+    decoding: str
+
+
+class DraftChoice(_Part):
+    """Several --draft candidates: what each measured, and which was deployed and why."""
+
+    chosen: str
+    reason: str
+    min_speedup: float
+    sample: ChoiceSample
+    candidates: list[CandidateMeasurement]
+    wall_s: float
+
+    def measurement(self, draft: str) -> CandidateMeasurement:
+        return next(m for m in self.candidates if m.draft == draft)
+
+
+class ServingRecord(_Part):
+    """How the served model schedules requests (speculative/batching.py); builds before it served one at a time."""
+
+    max_batch_size: int = 1
+    max_queue: int = 0
+    draft_schedule: Optional[str] = None  # config.parse_draft_schedule's text; None = the goodput plan
+
+
+class Manifest(_Part):
+    format: int = FORMAT
+    name: str
+    created: str
+    specpipe_version: Optional[str] = None
+    versions: dict[str, str] = Field(default_factory=dict)
+    build: dict[str, Any] = Field(default_factory=dict, description="the build's config as the specpipe that built it wrote it")
+    tokenizer: TokenizerRecord
+    eos_token_ids: list[int] = Field(default_factory=list)
+    max_draft_len: int = 8
+    step_costs: Optional[StepCosts] = None  # None: built before they were measured; the drafters' defaults apply
+    batch_costs: Optional[BatchCosts] = None  # batched target steps by rows; None: batching saves nothing
+    serving: ServingRecord = Field(default_factory=ServingRecord)
+    machine: dict[str, Any] = Field(default_factory=dict, description="specpipe.machine: where step_costs and timings_s were measured")
+    target: ModelEntry
+    draft: DraftEntry
+    draft_choice: Optional[DraftChoice] = None  # several --draft candidates
+    warnings: list[str] = Field(default_factory=list)
+    timings_s: dict[str, float] = Field(default_factory=dict)
+
+    @classmethod
+    def new(cls, **fields) -> "Manifest":
+        """A manifest written now, by this specpipe and these libraries."""
+        versions = library_versions()
+        return cls(created=now_iso(), specpipe_version=versions["specpipe"], versions=versions, **fields)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_drafts_were_models(cls, data: Any) -> Any:
+        """The first builds wrote no draft `kind`: they only built draft models."""
+        if isinstance(data, dict) and isinstance(data.get("draft"), dict) and "kind" not in data["draft"]:
+            data = {**data, "draft": {**data["draft"], "kind": "model"}}
+        return data
+
+    def deployment_paths(self) -> list[str]:
+        """The deployment, relative to its folder: this manifest, the tokenizer and every engine folder it names
+        (the unquantized engines kept for `validate --remeasure` too); a build's work files are not in it."""
+        paths = [MANIFEST, self.tokenizer.path]
+        for entry in (self.target, self.draft):
+            if isinstance(entry, (ModelEntry, SelfDraft)):
+                paths += [entry.engine.path] + ([entry.quant.reference_path] if entry.quant and entry.quant.reference_path else [])
+        return list(dict.fromkeys(paths))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The manifest as JSON values, as write_manifest writes it."""
+        return self.model_dump(mode="json")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -43,21 +274,25 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def write_manifest(folder: Path, manifest: dict) -> None:
-    manifest = {"format": FORMAT, **manifest}
-    (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+def write_manifest(folder: Path, manifest: Manifest) -> None:
+    (Path(folder) / MANIFEST).write_text(json.dumps(manifest.as_dict(), indent=2) + "\n")
 
 
-def read_manifest(folder: Path) -> dict:
+def read_manifest(folder: Path) -> Manifest:
     path = Path(folder) / MANIFEST
     if not Path(folder).is_dir():
         raise EngineError(f"no such engine folder: {folder}")
     if not path.is_file():
         raise EngineError(f"{folder} is not a specpipe build (no {MANIFEST}); run `specpipe build` first")
     try:
-        manifest = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise EngineError(f"{path} is not valid JSON: {exc}") from None
-    if manifest.get("format") != FORMAT:
-        raise EngineError(f"{path} has format {manifest.get('format')!r}; this specpipe reads format {FORMAT}")
-    return manifest
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else None
+        raise EngineError(f"{path} has format {found!r}; this specpipe reads format {FORMAT}")
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise EngineError(f"{path} is not a specpipe manifest: {problems}") from None

@@ -305,7 +305,7 @@ def test_adaptive_k_uses_the_costs_measured_at_build_on_tiny_onnx_engines(tiny_s
     from specpipe.deployment import load_deployment
 
     deployment = load_deployment(tiny_self_build, threads=1)
-    costs = StepCosts(**deployment.manifest["step_costs"])  # measured at build
+    costs = deployment.manifest.step_costs  # measured at build
     assert deployment.costs == costs and 0.0 < costs.draft and 0.0 <= costs.verify_per_token
     drafter = RecordingDrafter(deployment.drafter)
     decoder = SpeculativeDecoder(deployment.target, drafter, deployment.generator.decoder.eos_token_ids, deployment.costs)

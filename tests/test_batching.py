@@ -8,7 +8,7 @@ import torch
 
 from specpipe.config import GenerationConfig, SamplingConfig, parse_draft_schedule
 from specpipe.deployment import load_deployment, make_scheduler
-from specpipe.engines.base import load_engine
+from specpipe.manifest import ServingRecord
 from specpipe.engines.shared_kv import KVBatch, SharedKVEngine
 from specpipe.speculative import SpecStats
 from specpipe.speculative.adaptive import BatchCosts, StepCosts, plan_batch_draft_lengths, scheduled_draft_length
@@ -49,9 +49,9 @@ def prompts_of(lengths, seed=0, vocab=300):
 
 def test_build_makes_the_target_a_shared_kv_engine(pair):
     assert isinstance(pair.target, SharedKVEngine)
-    assert pair.manifest["target"]["engine"]["graph"] == "genai"
-    assert set(pair.manifest["batch_costs"]["decode_ms"]) >= {"1", "2", "16"}
-    assert pair.manifest["serving"]["max_batch_size"] == 16
+    assert pair.manifest.target.engine.graph == "genai"
+    assert set(pair.manifest.batch_costs.decode_ms) >= {1, 2, 16}
+    assert pair.manifest.serving.max_batch_size == 16
 
 
 def test_rows_of_different_lengths_decode_together_as_torch_does(pair, torch_target):
@@ -327,13 +327,13 @@ def test_a_user_schedule_overrides_the_plan(pair):
     for bad in ("4", "2:1,1:3", "a:1", "0:2"):
         with pytest.raises(ValueError):
             parse_draft_schedule(bad)
-    scheduler = make_scheduler(pair.target, pair.drafter, [], pair.costs,
-                               {**pair.manifest, "serving": {"max_batch_size": 4, "draft_schedule": "1:3,8:0"}})
+    scheduler = make_scheduler(pair.target, pair.drafter, [], pair.costs, pair.manifest.model_copy(
+        update={"serving": ServingRecord(max_batch_size=4, draft_schedule="1:3,8:0")}))
     prompts = prompts_of([5, 40, 3, 17])
     cfg = GenerationConfig(max_new_tokens=20, stop_on_eos=False)
     _, stats = batch_outputs(scheduler, prompts[:1], [cfg])
     assert stats[0].drafted > 0  # alone: K = 3
-    scheduler = make_scheduler(pair.target, pair.drafter, [], pair.costs,
-                               {**pair.manifest, "serving": {"max_batch_size": 4, "draft_schedule": "1:0"}})
+    scheduler = make_scheduler(pair.target, pair.drafter, [], pair.costs, pair.manifest.model_copy(
+        update={"serving": ServingRecord(max_batch_size=4, draft_schedule="1:0")}))
     _, stats = batch_outputs(scheduler, prompts[:1], [cfg])
     assert stats[0].drafted == 0

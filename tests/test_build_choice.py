@@ -15,8 +15,8 @@ import pytest
 from specpipe.build import build
 from specpipe.config import BuildConfig, DraftChoiceConfig, GenerationConfig
 from specpipe.deployment import load_deployment
-from specpipe.draft_choice import choose
-from specpipe.manifest import sha256_file
+from specpipe.build.draft_choice import choose
+from specpipe.manifest import CandidateMeasurement, sha256_file
 from specpipe.speculative.adaptive import StepCosts, best_draft_length, expected_speedup, predicted_speedup
 from specpipe.speculative.drafters import ModelDrafter
 from tests.test_cli_core import assert_one_line_error, run_cli
@@ -25,8 +25,11 @@ PROMPTS = ["def add(a, b):", "The quick brown fox", "import numpy as np\n"]
 SMALL_SAMPLE = DraftChoiceConfig(choice_prompts=1, choice_tokens=16)  # 2 prompts: the records, not the timings
 
 
-def measured(draft: str, kind: str, speedup: float) -> dict:
-    return {"draft": draft, "kind": kind, "speedup": speedup}
+def measured(draft: str, kind: str, speedup: float) -> CandidateMeasurement:
+    return CandidateMeasurement(draft=draft, kind=kind, prompts=2, tokens_generated=64, tokens_per_s=10.0 * speedup,
+                                speedup=speedup, acceptance_rate=None, mean_accepted_len=None, matches_target=2,
+                                step_costs=None, predicted_speedup=None, source=draft, weights_sha256=None,
+                                build_timings_s={})
 
 
 NONE = measured("none", "none", 1.0)
@@ -101,7 +104,8 @@ def test_every_candidate_and_the_target_alone_are_measured_and_recorded(candidat
 def test_the_deployed_draft_is_the_one_choose_returns(candidates_build):
     folder, manifest = candidates_build
     choice = manifest["draft_choice"]
-    assert (choice["chosen"], choice["reason"]) == choose(choice["candidates"], choice["min_speedup"])
+    candidates = [CandidateMeasurement(**m) for m in choice["candidates"]]
+    assert (choice["chosen"], choice["reason"]) == choose(candidates, choice["min_speedup"])
     chosen = next(m for m in choice["candidates"] if m["draft"] == choice["chosen"])
     assert manifest["draft"]["kind"] == chosen["kind"]
     assert (folder / "draft").is_dir() == (chosen["kind"] in ("model", "self"))
@@ -126,7 +130,7 @@ def forced_builds(tiny_target, tiny_draft, tmp_path_factory):
     for forced in ("model", "none"):
         choice = str(tiny_draft) if forced == "model" else "none"
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("specpipe.draft_choice.choose", lambda measurements, min_speedup: (choice, "forced"))
+            patch.setattr("specpipe.build.draft_choice.choose", lambda measurements, min_speedup: (choice, "forced"))
             folders[forced] = build(BuildConfig(
                 target=str(tiny_target), draft=["ngram", str(tiny_draft)], name=forced, engines_dir=root,
                 repo_dir=root / f"repo-{forced}", choice=SMALL_SAMPLE))
@@ -232,7 +236,7 @@ def test_cli_draft_none_alone_builds_the_target_alone(capsys, tiny_target, tmp_p
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--draft", "ngram", "--draft", "ngram"], "--draft: Value error, ngram given more than once"),
+    (["--draft", "ngram", "--draft", "ngram"], "--draft: ngram given more than once"),
     (["--draft", "ngram", "--draft", "self:int3"], "self:int3 is not a self-draft"),
     (["--draft", "ngram", "--draft", "none", "--min-speedup", "0.9"], "--min-speedup"),
     (["--draft", "ngram", "--draft", "none", "--choice-prompts", "0"], "--choice-prompts"),

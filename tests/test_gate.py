@@ -112,7 +112,7 @@ def test_chisquare_accepts_the_right_sampler_and_rejects_a_wrong_one():
 
 
 def test_memo_engine_returns_the_engines_logits(tiny_build):
-    from specpipe.engines.base import load_engine
+    from specpipe.engines import load_engine
     from specpipe.gate.memo import MemoEngine
 
     engine = load_engine(tiny_build / "target")
@@ -312,27 +312,33 @@ def _quant_entry(mode: str, ppl_rel_change: float, top1: float) -> dict:
         "ppl_rel_change": ppl_rel_change, "top1_agreement": top1, "mean_kl": 0.01, "max_kl": 0.2,
     }
     budget = {"max_ppl_increase": 0.05, "min_top1_agreement": 0.9, "max_mean_kl": None}
-    return {"engine": {"path": "target", "quant": mode}, "quant": {"mode": mode, "accuracy": accuracy, "budget": budget}}
+    return {"source": "m", "engine": {"path": "target", "quant": mode}, "quant": {"mode": mode, "accuracy": accuracy, "budget": budget}}
+
+
+def _manifest(target: dict, draft: dict):
+    from specpipe.manifest import Manifest
+
+    return Manifest(name="m", created="", tokenizer={"hash": "h"}, target=target, draft={"kind": "model", **draft})
 
 
 def test_quantization_check_reads_the_manifest(tmp_path):
     from specpipe.gate.quantization import check_quantization
 
-    fp32 = {"engine": {"path": "draft", "quant": "none"}}
-    not_applicable = check_quantization({"target": fp32, "draft": fp32}, tmp_path, GateConfig())
+    fp32 = {"source": "m", "engine": {"path": "draft", "quant": "none"}}
+    not_applicable = check_quantization(_manifest(fp32, fp32), tmp_path, GateConfig())
     assert not_applicable.status == "passed" and "not applicable" in not_applicable.summary
 
-    within = check_quantization({"target": _quant_entry("int8-wo", 0.01, 0.97), "draft": fp32}, tmp_path, GateConfig())
+    within = check_quantization(_manifest(_quant_entry("int8-wo", 0.01, 0.97), fp32), tmp_path, GateConfig())
     assert within.status == "passed" and within.metrics["engines"]["target"]["mode"] == "int8-wo"
 
-    over = check_quantization({"target": _quant_entry("int4-wo", 0.12, 0.85), "draft": fp32}, tmp_path, GateConfig())
+    over = check_quantization(_manifest(_quant_entry("int4-wo", 0.12, 0.85), fp32), tmp_path, GateConfig())
     assert over.status == "failed"
     assert any("perplexity increase = 0.12" in f for f in over.failures)
     assert any("top-1 agreement = 0.85" in f for f in over.failures)
 
     # The gate file's budget overrides the recorded one; a draft over budget only warns (lossless decoding).
     strict = small_gate(quantization={"min_top1_agreement": 0.99})
-    draft_over = check_quantization({"target": fp32, "draft": _quant_entry("int4-wo", 0.01, 0.97)}, tmp_path, strict)
+    draft_over = check_quantization(_manifest(fp32, _quant_entry("int4-wo", 0.01, 0.97)), tmp_path, strict)
     assert draft_over.status == "passed" and draft_over.warnings and "top-1 agreement" in draft_over.warnings[0]
 
 

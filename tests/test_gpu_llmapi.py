@@ -25,15 +25,15 @@ def _tensorrt_llm():
 @pytest.fixture(scope="module")
 def written(tiny_target, tiny_draft, tmp_path_factory) -> dict:
     """The plan's files for the tiny pair, with the resolve step's links made by hand (no hub)."""
-    from specpipe.config import GpuBuildConfig
-    from specpipe.gpu import make_plan, write_plan_repository
-    from specpipe.gpu.plan import SERVE_CONFIG
+    from specpipe.build import make_plan, write_plan_repository
+    from specpipe.build.plan import SERVE_CONFIG
+    from specpipe.config import BuildConfig, TrtllmBackend
 
     _tensorrt_llm()
     root = tmp_path_factory.mktemp("llmapi")
-    cfg = GpuBuildConfig(
+    cfg = BuildConfig(
         target=str(tiny_target), draft=str(tiny_draft), engines_dir=root / "engines", repo_dir=root / "repo",
-        max_draft_len=MAX_DRAFT_LEN, max_batch_size=8, max_input_len=64, max_seq_len=256, dry_run=True,
+        max_draft_len=MAX_DRAFT_LEN, backend=TrtllmBackend(max_batch_size=8, max_input_len=64, max_seq_len=256, dry_run=True),
     )  # fmt: skip
     plan = make_plan(cfg)
     work = Path(plan.work_dir)

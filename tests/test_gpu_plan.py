@@ -1,7 +1,7 @@
 """GPU plans and the TensorRT-LLM Triton repository, checked against what upstream expects (no GPU needed).
 
 The expectations below are copied from the upstream files named next to them, independently of
-specpipe/gpu/upstream.py: if someone edits a flag there, these tests fail.
+specpipe/engines/upstream.py: if someone edits a flag there, these tests fail.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specpipe.config import GpuBuildConfig
+from specpipe.config import BuildConfig, make_config
 from specpipe.errors import IncompatiblePairError, UsageError
-from specpipe.gpu import GpuMemoryError, make_plan, render_plan, write_plan_repository
-from specpipe.gpu.memory import GB, kv_bytes_per_token
-from specpipe.gpu.shapes import resolve_shape, shape_from_config
-from specpipe.gpu.tensorrt_build import optimization_profiles, select_profile
+from specpipe.build import GpuMemoryError, make_plan, render_plan, write_plan_repository
+from specpipe.build.memory import GB, kv_bytes_per_token
+from specpipe.checkpoint.facts import resolve_shape, shape_from_config
+from specpipe.engines.tensorrt_build import optimization_profiles, select_profile
 from specpipe.triton.model_config import parse_config, read_config
 from specpipe.triton.trtllm_repo import compare_with_templates, parse_template
 
@@ -90,12 +90,19 @@ LLMAPI_CLIENT_TENSORS = {"text_input": "STRING", "streaming": "BOOL", "sampling_
 SIX_MODELS = {"ensemble", "preprocessing", "tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls", "postprocessing"}
 
 
-def _cfg(tmp_path: Path, **kw) -> GpuBuildConfig:
-    base = dict(target="llama-70b", draft="llama-7b", engines_dir=tmp_path / "engines", repo_dir=tmp_path / "repo", dry_run=True)
-    return GpuBuildConfig(**(base | kw))
+def _cfg(tmp_path: Path, **kw) -> BuildConfig:
+    """A GPU build as the command line gives it: --backend (trtllm here) and its options, --quant, --draft-quant and
+    --kv-cache-dtype (one for both models), the rest BuildConfig's own."""
+    options = dict(target="llama-70b", draft="llama-7b", engines_dir=tmp_path / "engines", repo_dir=tmp_path / "repo",
+                   backend="trtllm", dry_run=True) | kw
+    kv = options.pop("kv_cache_dtype", "auto")
+    quant = {"quant": {"mode": options.pop("quant", "none"), "kv_cache_dtype": kv},
+             "draft_quant": {"mode": options.pop("draft_quant", "none"), "kv_cache_dtype": kv}}
+    backend = {"kind": options.pop("backend")} | {k: options.pop(k) for k in list(options) if k not in BuildConfig.model_fields}
+    return make_config(BuildConfig, **options, **quant, backend=backend)
 
 
-def _engine_cfg(tmp_path: Path, **kw) -> GpuBuildConfig:
+def _engine_cfg(tmp_path: Path, **kw) -> BuildConfig:
     """The TensorRT-LLM 1.2.1 engine flow (--trtllm-flow engine)."""
     return _cfg(tmp_path, trtllm_flow="engine", **kw)
 
@@ -444,7 +451,7 @@ def test_defect7_tensorrt_int8_plan_asks_for_symmetric_activations(tmp_path, smo
 
 
 def test_default_draft_len_schedule_shortens_drafts_as_the_batch_grows():
-    from specpipe.gpu.trtllm import check_draft_len_schedule, default_draft_len_schedule
+    from specpipe.build.trtllm import check_draft_len_schedule, default_draft_len_schedule
 
     assert default_draft_len_schedule(8, 8) == {1: 8, 4: 4, 8: 2}
     assert default_draft_len_schedule(4, 64) == {1: 4, 4: 2, 8: 1, 16: 0}
@@ -489,8 +496,8 @@ def test_llmapi_flow_refuses_a_separate_draft_gpu(tmp_path):
 
 
 def test_upstream_facts_match_the_copies_here():
-    """specpipe/gpu/upstream.py against the values copied in this file from the sources named there."""
-    from specpipe.gpu import upstream
+    """specpipe/engines/upstream.py against the values copied in this file from the sources named there."""
+    from specpipe.engines import upstream
     from specpipe.triton.trtllm_repo import LLMAPI_INPUTS
 
     assert upstream.TRTLLM_ENGINE_VERSION == "1.2.1" and upstream.TRTLLM_LLMAPI_MIN_VERSION == "1.3.0"
@@ -536,10 +543,25 @@ def test_smollm2_trtllm_plan(tmp_path, smollm2_draft):
     assert "compared token by token" in " ".join(plan.notes)  # a folder draft: checked when resolved
 
 
+def test_tensorrt_plan_exports_each_model_once_and_runs_no_cpu_build(tmp_path, smollm2_draft):
+    """The TensorRT deployment is built from one export per model; the manifest and specpipe's repository are
+    written for its engines (issue 15: the plan ran the whole CPU build, exports included, first)."""
+    plan = make_plan(_cfg(tmp_path, backend="tensorrt", target="smollm2-135m", draft=str(smollm2_draft)))
+    assert [s.role for s in plan.steps if s.kind == "export"] == ["target", "draft"]
+    assert not [s for s in plan.steps if (s.call or "").startswith("specpipe.build")]
+    export = _step(plan, "draft.export")
+    assert export.kwargs["checkpoint"] == str(tmp_path / "engines" / plan.name / "hf" / "draft")  # the resolved folder
+    manifest, repository = _step(plan, "manifest"), _step(plan, "repository")
+    assert manifest.gpu and manifest.writes == (str(tmp_path / "engines" / plan.name / "manifest.json"),)
+    assert repository.writes == (str(tmp_path / "repo" / "ensemble"),)
+    assert plan.target.artifacts == str(tmp_path / "engines" / plan.name / "target")
+
+
 def test_smollm2_tensorrt_plan_and_profiles(tmp_path, smollm2_draft):
     plan = make_plan(_cfg(tmp_path, backend="tensorrt", target="smollm2-135m", draft=str(smollm2_draft), repo_dir=None))
     ids = [s.id for s in plan.steps]
-    assert ids[:4] == ["deployment", "target.export", "target.autocast", "target.engine"]
+    assert ids[:6] == ["target.resolve", "draft.resolve", "tokenizer", "target.export", "target.autocast", "target.engine"]
+    assert ids[-2:] == ["manifest", "plan"]
     engine = _step(plan, "target.engine")
     assert engine.call == "tensorrt.Builder.build_serialized_network" and engine.kwargs["network_flags"] == ["STRONGLY_TYPED"]
     assert set(engine.kwargs["profiles"]) == {"prefill", "decode", "verify"}
@@ -565,7 +587,7 @@ def test_smollm2_tensorrt_plan_and_profiles(tmp_path, smollm2_draft):
 
 
 def test_tensorrt_backend_refusals(tmp_path):
-    with pytest.raises(UsageError, match="single-GPU"):
+    with pytest.raises(UsageError, match="--tp-size does not apply to --backend tensorrt"):
         make_plan(_cfg(tmp_path, backend="tensorrt", target="smollm2-135m", draft="smollm2-135m", tp_size=2))
     with pytest.raises(UsageError, match="MatMulNBits"):
         make_plan(_cfg(tmp_path, backend="tensorrt", target="smollm2-135m", draft="smollm2-135m", quant="int4-wo"))

@@ -28,8 +28,8 @@ def _build(checkpoint: Path, work: Path) -> tuple[Path, Path]:
     """ONNX export -> (ONNX Runtime folder, TensorRT folder), fp32, so the two can be compared closely."""
     from specpipe.engines.onnxruntime import write_engine_meta
     from specpipe.export.onnx import export_onnx
-    from specpipe.gpu.shapes import shape_from_config
-    from specpipe.gpu.tensorrt_build import build_engine, optimization_profiles, write_tensorrt_meta
+    from specpipe.checkpoint.facts import shape_from_config
+    from specpipe.engines.tensorrt_build import build_engine, optimization_profiles, write_tensorrt_meta
 
     shape = shape_from_config(json.loads((checkpoint / "config.json").read_text()), spec=str(checkpoint))
     ort_dir = export_onnx(checkpoint, work / "onnx")
@@ -59,7 +59,7 @@ def test_engine_build_writes_plan_and_meta(built_pair):
 
 
 def test_tensorrt_matches_onnxruntime_through_cache_and_rollback(built_pair):
-    from specpipe.engines.base import load_engine
+    from specpipe.engines import load_engine
 
     ort_dir, trt_dir = built_pair["target"]
     ort, trt = load_engine(ort_dir), load_engine(trt_dir)
@@ -82,7 +82,7 @@ def test_tensorrt_matches_onnxruntime_through_cache_and_rollback(built_pair):
 def test_greedy_speculative_equals_target_only(built_pair, k):
     """TensorRTEngine under the unchanged speculative decoder: drafts never change greedy output."""
     from specpipe.config import GenerationConfig
-    from specpipe.engines.base import load_engine
+    from specpipe.engines import load_engine
     from specpipe.speculative.decoder import SpeculativeDecoder
     from specpipe.speculative.drafters import ModelDrafter
     from specpipe.speculative.stats import SpecStats

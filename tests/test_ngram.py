@@ -274,7 +274,7 @@ def test_greedy_equivalence_on_tiny_onnx_engines(tiny_build):
     from specpipe.speculative.generator import SpecGenerator
 
     deployment = load_deployment(tiny_build, threads=1)
-    lookup = SpecGenerator(deployment.target, NgramDrafter(), deployment.tokenizer, deployment.manifest["eos_token_ids"])
+    lookup = SpecGenerator(deployment.target, NgramDrafter(), deployment.tokenizer, deployment.manifest.eos_token_ids)
     drafted = 0
     for prompt in ["def add(a, b):\n    return a + b\n\ndef add(", "The quick brown fox. The quick brown", "Héllo wörld"]:
         base = deployment.generator.generate(prompt, GenerationConfig(max_new_tokens=48, speculative=False, stop_on_eos=False))

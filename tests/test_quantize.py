@@ -96,7 +96,7 @@ def _tampered(folder: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("mode", QUANT_MODES)
 def test_mode_builds_and_generates(mode, quantized, fp32_engine, tiny_target, tokenizer):
-    from specpipe.engines.base import load_engine
+    from specpipe.engines import load_engine
     from specpipe.speculative.generator import SpecGenerator
 
     meta = json.loads((quantized[mode] / "engine.json").read_text())
@@ -233,7 +233,7 @@ def test_quantize_engine_refuses_an_engine_over_budget(fp32_engine, tokenizer, t
 
 
 def test_quantized_draft_keeps_greedy_output_identical(fp32_engine, quantized, tokenizer):
-    from specpipe.engines.base import load_engine
+    from specpipe.engines import load_engine
     from specpipe.speculative.drafters import ModelDrafter
     from specpipe.speculative.generator import SpecGenerator
 

@@ -29,7 +29,8 @@ def engines(tiny_target, tmp_path_factory):
     from specpipe.quantize.pipeline import quantize_onnx
 
     out = tmp_path_factory.mktemp("modes")
-    fp32 = build(BuildConfig(target=str(tiny_target), draft="none", name="optimum", target_graph="optimum",
+    fp32 = build(BuildConfig(target=str(tiny_target), draft="none", name="optimum",
+                             backend={"kind": "onnxruntime", "target_graph": "optimum"},
                              engines_dir=out, repo_dir=None)) / "target"
     rng = np.random.default_rng(0)
     calib = [[int(t) for t in rng.integers(3, 300, size=24)] for _ in range(8)]
@@ -87,7 +88,7 @@ def test_quantized_target_speculative_greedy_is_the_targets_own(quantized_target
         spec = deployment.generator.generate(prompt, cfg)
         base = deployment.generator.generate(prompt, cfg.model_copy(update={"speculative": False}))
         assert_greedy_equivalent(deployment, prompt, spec.token_ids, base.token_ids)
-        if deployment.manifest["target"]["verify_consistency"]["exact"]:
+        if deployment.manifest.target.verify_consistency.exact:
             assert spec.token_ids == base.token_ids  # bit-identical scoring: not even a near-tie may differ
 
 

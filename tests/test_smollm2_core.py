@@ -11,8 +11,8 @@ pytestmark = pytest.mark.slow
 def test_real_model_self_draft_is_lossless(smollm2_self_build):
     deployment = load_deployment(smollm2_self_build)
     manifest = deployment.manifest
-    assert manifest["target"]["checkpoint"]["num_layers"] == 30
-    assert manifest["target"]["export_check"]["max_abs_diff"] < manifest["target"]["export_check"]["tolerance"]
+    assert manifest.target.checkpoint["num_layers"] == 30
+    assert manifest.target.export_check.max_abs_diff < manifest.target.export_check.tolerance
     prompt = deployment.generator.encode("Write a Python function that reverses a string.", chat=True)
     spec = deployment.generator.generate(prompt, GenerationConfig(max_new_tokens=32, num_draft_tokens=4, draft_length="fixed"))
     base = deployment.generator.generate(prompt, GenerationConfig(max_new_tokens=32, speculative=False))

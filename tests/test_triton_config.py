@@ -12,6 +12,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from specpipe.errors import EngineError, OutputExistsError, UsageError
+from specpipe.manifest import Manifest, write_manifest
 from specpipe.triton import ModelSpec, TensorSpec, parse_config, read_config, served_model_spec, write_repository
 from specpipe.triton.model_config import DynamicBatching, EnsembleStep
 from specpipe.triton.protocol import EXTENSION_INPUTS, EXTENSION_OUTPUTS, parse_request
@@ -254,7 +255,11 @@ def fake_build(tmp_path):
     """Just enough of engines/<name>/ for the writer (it does not open engines)."""
     build = tmp_path / "engines" / "tiny"
     (build / "target").mkdir(parents=True)
-    (build / "manifest.json").write_text(json.dumps({"format": 1, "name": "tiny"}))
+    (build / "tokenizer").mkdir()
+    (build / "onnx").mkdir()  # a GPU build's work files: not part of the deployment
+    manifest = Manifest(name="tiny", created="", tokenizer={"hash": "h"}, target={"source": "t", "engine": {"path": "target"}},
+                        draft={"kind": "none"})
+    write_manifest(build, manifest)
     (build / "target" / "model.onnx").write_bytes(b"\0" * 1024)
     return build
 
@@ -271,6 +276,7 @@ def test_write_repository_layout_links_and_force(fake_build, tmp_path):
     # same filesystem: hard links, no second copy of the weights
     assert os.stat(engine / "target" / "model.onnx").st_ino == os.stat(fake_build / "target" / "model.onnx").st_ino
     assert read_config(model_dir).instance_group[0].count == 2
+    assert sorted(p.name for p in engine.iterdir()) == ["manifest.json", "target", "tokenizer"]  # what the manifest names
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engines", "triton_repo"]  # no staging left behind
 
     with pytest.raises(OutputExistsError, match="pass --force"):

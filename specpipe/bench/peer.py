@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from specpipe.bench.harness import Measurement
+from specpipe.manifest import Manifest
 
 
 class _FirstTokenClock:
@@ -62,21 +63,20 @@ class HFRow:
         return Measurement(prompt_id="", num_generated=len(new_ids), total_ms=total_ms, ttft_ms=ttft_ms, token_ids=new_ids)
 
 
-def peer_rows(manifest: dict, eos_token_ids: list[int], threads: int) -> tuple[list[HFRow], Optional[str]]:
+def peer_rows(manifest: Manifest, threads: int) -> tuple[list[HFRow], Optional[str]]:
     """The peer rows for a deployment, from the torch checkpoints its manifest names; ([], reason) when
     they cannot be loaded (a draft that is not a model, checkpoints moved away)."""
     import torch
 
     from specpipe.checkpoint import load_causal_lm
 
-    draft = manifest.get("draft", {})
-    if draft.get("kind", "model") != "model":
-        return [], f"draft kind {draft.get('kind')!r} has no torch checkpoint"
-    paths = [manifest.get("target", {}).get("resolved_path"), draft.get("resolved_path")]
+    if manifest.draft.kind != "model":
+        return [], f"draft kind {manifest.draft.kind!r} has no torch checkpoint"
+    paths = [manifest.target.resolved_path, manifest.draft.resolved_path]
     if not all(paths) or not all(Path(p).is_dir() for p in paths):
         return [], f"torch checkpoints not found ({', '.join(str(p) for p in paths)})"
     torch.set_num_threads(threads)
     target = load_causal_lm(Path(paths[0]))
     assistant = load_causal_lm(Path(paths[1]))  # its own object even when the paths match: it keeps its own cache
-    return [HFRow("hf target-only", target, None, eos_token_ids),
-            HFRow("hf assisted", target, assistant, eos_token_ids)], None
+    return [HFRow("hf target-only", target, None, manifest.eos_token_ids),
+            HFRow("hf assisted", target, assistant, manifest.eos_token_ids)], None

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from specpipe.bench.harness import BASELINE, measurement_dict, run_rows, spec_rows, summarize
-from specpipe.bench.limits import floor_ms_per_token, measure_bandwidth, step_ms, weight_bytes
+from specpipe.bench.limits import floor_ms_per_token, measure_bandwidth, weight_bytes
 from specpipe.bench.prompts import load_prompt_sets
 from specpipe.config import BenchConfig
+from specpipe.engines.timing import step_ms
 from specpipe.errors import UsageError
 from specpipe.speculative.ngram import copy_ceiling
 
@@ -21,8 +22,8 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
     import torch
 
     from specpipe.deployment import load_deployment
-    from specpipe.machine import describe_machine
-    from specpipe.manifest import library_versions, now_iso
+    from specpipe.machine import describe_machine, library_versions
+    from specpipe.manifest import now_iso
 
     say = progress or (lambda what, done, total: None)
     if not (Path(cfg.engine_dir) / "manifest.json").is_file():
@@ -41,8 +42,7 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
     if cfg.peer:
         from specpipe.bench.peer import peer_rows
 
-        eos = list(deployment.manifest.get("eos_token_ids", []))
-        extra, peer_note = peer_rows(deployment.manifest, eos, cfg.threads)
+        extra, peer_note = peer_rows(deployment.manifest, cfg.threads)
         rows += extra
 
     encoded = [(s.name, [(p.id, generator.encode(p.prompt, chat=cfg.chat)) for p in s.prompts]) for s in prompt_sets]
@@ -106,7 +106,7 @@ def _copy_ceiling(prompts: list, baseline: list) -> dict:
 def _physical_limit(deployment, sets: list[dict]) -> dict:
     """Bytes of target weights per token / measured bandwidth, next to the measured target-only ms/token."""
     bandwidth = measure_bandwidth()
-    target_dir = deployment.folder / deployment.manifest["target"]["engine"]["path"]
+    target_dir = deployment.folder / deployment.manifest.target.engine.path
     measured = [row["ms_per_token"] for s in sets for row in s["rows"] if row["label"] == BASELINE and row["ms_per_token"]]
     floor = floor_ms_per_token(target_dir, bandwidth)
     out = {
@@ -116,9 +116,9 @@ def _physical_limit(deployment, sets: list[dict]) -> dict:
         "target_measured_ms_per_token": min(measured) if measured else None,
     }
     out["target_measured_vs_floor"] = out["target_measured_ms_per_token"] / floor if measured and floor else None
-    draft = deployment.manifest.get("draft", {})
-    if draft.get("kind", "model") == "model" and "engine" in draft:
-        draft_dir = deployment.folder / draft["engine"]["path"]
+    draft = deployment.manifest.draft
+    if draft.kind == "model":
+        draft_dir = deployment.folder / draft.engine.path
         out["draft_weight_bytes"] = weight_bytes(draft_dir)
         out["draft_floor_ms_per_token"] = floor_ms_per_token(draft_dir, bandwidth)
     return out

@@ -8,7 +8,7 @@ import zipfile
 from pathlib import Path
 
 from specpipe.checkpoint.cache import atomic_dir, cache_dir
-from specpipe.checkpoint.registry import ModelFacts
+from specpipe.checkpoint.facts import ModelFacts
 from specpipe.errors import CheckpointError, HubUnavailableError
 
 # The hub answers in well under a second; a blackholed network would otherwise hang on the

@@ -1,6 +1,7 @@
 """Describe a checkpoint folder without loading its weights: architecture, sizes, tokenizer facts.
 
-`inspect_checkpoint(path).model_dump()` is what the build manifest records for each model.
+`inspect_checkpoint(path).model_dump()` is what the build manifest records for each model, under the names
+it always had; the architecture numbers are read as a plan reads them (facts.py `config_numbers`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict
 
 from specpipe.checkpoint.cache import weight_files
+from specpipe.checkpoint.facts import CONFIG_KEYS, config_numbers
 from specpipe.checkpoint.gguf_convert import read_source_record
 from specpipe.checkpoint.load import architecture_of, is_causal_lm, load_config, load_tokenizer, tokenizer_hash
 
@@ -69,28 +71,27 @@ def inspect_checkpoint(path: Path) -> CheckpointInfo:
         num_parameters, dtype = _safetensors_summary(safetensors)
     else:
         num_parameters, dtype = _count_parameters_from_config(config), _torch_dtype_name(config)
-    num_heads = getattr(config, "num_attention_heads", None)
-    hidden_size = getattr(config, "hidden_size", None)
+    numbers = config_numbers({key: getattr(config, key, None) for key in CONFIG_KEYS})
     return CheckpointInfo(
         path=str(path),
         architecture=architecture_of(config),
         model_type=config.model_type,
         is_causal_lm=is_causal_lm(config),
         num_parameters=num_parameters,
-        num_layers=getattr(config, "num_hidden_layers", None),
-        hidden_size=hidden_size,
-        intermediate_size=getattr(config, "intermediate_size", None),
-        num_heads=num_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(config, "head_dim", None) or (hidden_size // num_heads if hidden_size and num_heads else None),
+        num_layers=numbers["layers"],
+        hidden_size=numbers["hidden"],
+        intermediate_size=numbers["intermediate"],
+        num_heads=numbers["heads"],
+        num_kv_heads=numbers["kv_heads"],
+        head_dim=numbers["head_dim"],
         vocab_size=config.vocab_size,
         tokenizer_vocab_size=len(tokenizer),
         dtype=dtype,
         weights_format="safetensors" if safetensors else "pickle",
         weights_bytes=sum(f.stat().st_size for f in (safetensors or files)),
-        max_position_embeddings=getattr(config, "max_position_embeddings", None),
+        max_position_embeddings=numbers["context_length"],
         rope_theta=getattr(config, "rope_theta", None),
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        tie_word_embeddings=numbers["tie_word_embeddings"],
         bos_token_id=tokenizer.bos_token_id,
         bos_token=tokenizer.bos_token,
         eos_token_id=tokenizer.eos_token_id,

@@ -15,7 +15,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict
 
 from specpipe.checkpoint.load import architecture_of, is_causal_lm, load_config, load_tokenizer, tokenizer_hash
-from specpipe.checkpoint.registry import ModelFacts
+from specpipe.checkpoint.facts import ModelFacts
 from specpipe.errors import IncompatiblePairError
 
 _SPECIAL_TOKENS = ("bos", "eos", "pad")

@@ -16,7 +16,7 @@ from specpipe.checkpoint.cache import weights_sha256
 from specpipe.checkpoint.fetch import fetch_from_hub, fetch_pypi_gguf
 from specpipe.checkpoint.gguf_convert import convert_gguf
 from specpipe.checkpoint.load import require_safe_weights
-from specpipe.checkpoint.registry import aliases, get_alias
+from specpipe.checkpoint.facts import aliases, get_alias
 from specpipe.errors import CheckpointError
 
 

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import click
 
-from specpipe.config import BenchConfig, field_default, field_help, make_config
+from specpipe.config import BenchConfig, field_choices, field_default, field_help, make_config
 from specpipe.errors import UsageError
+
+_DEFAULT_K = field_default(BenchConfig, "draft_lengths")
+_DRAFT_LENGTHS = f"{min(_DEFAULT_K)}..{max(_DEFAULT_K)}"  # BenchConfig's default, as -k writes it
 
 
 def parse_draft_lengths(text: str) -> list[int]:
@@ -26,9 +29,9 @@ def parse_draft_lengths(text: str) -> list[int]:
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 @click.option("--prompts", "prompt_files", multiple=True, type=click.Path(path_type=Path),
               help="JSONL prompt file (repeatable).")
-@click.option("--prompts-set", "prompt_sets", multiple=True, type=click.Choice(["code", "chat", "grounded"]),
+@click.option("--prompts-set", "prompt_sets", multiple=True, type=click.Choice(field_choices(BenchConfig, "prompt_sets")),
               help="Packaged prompt set (repeatable). Default: code and chat, unless --prompts is given.")
-@click.option("-k", "--draft-lengths", default="1..8", show_default=True, help="Fixed K values: a range 1..8 or a list 1,2,4.")
+@click.option("-k", "--draft-lengths", default=_DRAFT_LENGTHS, show_default=True, help="Fixed K values: a range 1..8 or a list 1,2,4.")
 @click.option("--no-adaptive", is_flag=True, help="Skip the adaptive-K row.")
 @click.option("--no-peer", is_flag=True, help="Skip transformers' assisted generation rows.")
 @click.option("--max-new-tokens", type=int, default=field_default(BenchConfig, "max_new_tokens"), show_default=True)

@@ -3,21 +3,63 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+from click.core import ParameterSource
 
-from specpipe.commands.gpu_build import backend_of, gpu_build, gpu_options, split_gpu_options
-from specpipe.config import (AccuracyBudget, BuildConfig, DraftChoiceConfig, NgramConfig, QuantConfig, field_default,
-                             field_help, make_config)
-from specpipe.errors import UsageError
+from specpipe.config import (BACKENDS, AccuracyBudget, BuildConfig, DraftChoiceConfig, NgramConfig, OnnxRuntimeBackend,
+                             QuantConfig, TrtllmBackend, field_choices, field_default, field_help, make_config)
 from specpipe.quantize.pipeline import MODE_HELP
 
-_QUANT_MODES = click.Choice(["none", "int8-wo", "int4-wo", "int8", "fp8"])
+if TYPE_CHECKING:
+    from specpipe.manifest import Manifest
+
+def _choice(model, field: str) -> click.Choice:
+    return click.Choice(field_choices(model, field))
+
+
+_QUANT_MODES = _choice(QuantConfig, "mode")
+
+
+# The options of the backends' own configs (BuildConfig.backend): --backend picks the config, and an option is
+# passed on only when given, so one that another backend takes is refused, never ignored. TrtllmBackend holds
+# every GPU option (TensorRTBackend takes the ones they share).
+_BACKEND_OPTIONS: dict[str, tuple[type, dict]] = {
+    "threads": (OnnxRuntimeBackend, dict(type=int)),
+    "export_tolerance": (OnnxRuntimeBackend, dict(type=float)),
+    "max_batch_size": (OnnxRuntimeBackend, dict(type=int)),  # the GPU backends default to 8
+    "max_queue": (OnnxRuntimeBackend, dict(type=int)),
+    "draft_schedule": (OnnxRuntimeBackend, dict(metavar="B:K,...")),
+    "target_graph": (OnnxRuntimeBackend, dict(type=_choice(OnnxRuntimeBackend, "target_graph"))),
+    "trtllm_flow": (TrtllmBackend, dict(type=_choice(TrtllmBackend, "trtllm_flow"))),
+    "tp_size": (TrtllmBackend, dict(type=int)),
+    "draft_tp_size": (TrtllmBackend, dict(type=int)),
+    "draft_placement": (TrtllmBackend, dict(type=_choice(TrtllmBackend, "draft_placement"))),
+    "gpu_memory_gb": (TrtllmBackend, dict(type=float)),
+    "max_input_len": (TrtllmBackend, dict(type=int)),
+    "max_seq_len": (TrtllmBackend, dict(type=int)),
+    "dtype": (TrtllmBackend, dict(type=_choice(TrtllmBackend, "dtype"))),
+    "trtllm_checkout": (TrtllmBackend, dict(type=click.Path(path_type=Path))),
+    "modelopt_checkout": (TrtllmBackend, dict(type=click.Path(path_type=Path))),
+    "dry_run": (TrtllmBackend, dict(is_flag=True)),
+}
+
+
+def _backend_options(command):
+    """--backend and the options of its config, defaults and help from the config models."""
+    for field, (model, kwargs) in reversed(_BACKEND_OPTIONS.items()):
+        default = field_default(model, field)
+        shown = {} if kwargs.get("is_flag") else {"show_default": default is not None}
+        command = click.option("--" + field.replace("_", "-"), default=default, help=field_help(model, field), **shown,
+                               **kwargs)(command)
+    return click.option("--backend", type=click.Choice(list(BACKENDS)), default=field_default(BuildConfig, "backend").kind,
+                        show_default=True, help=field_help(BuildConfig, "backend") + ".")(command)
 
 
 @click.command()
-@gpu_options
 @click.option("--target", required=True, help="Target: HF checkpoint folder, .gguf file, or alias (e.g. smollm2-135m).")
 @click.option("--draft", required=True, multiple=True,
               help="Draft: same forms as --target, sharing its tokenizer; or `ngram` (prompt lookup, no model); or "
@@ -35,8 +77,9 @@ _QUANT_MODES = click.Choice(["none", "int8-wo", "int4-wo", "int8", "fp8"])
               help="--draft ngram: " + field_help(NgramConfig, "ngram_max"))
 @click.option("--ngram-min", type=int, default=field_default(NgramConfig, "ngram_min"), show_default=True,
               help="--draft ngram: " + field_help(NgramConfig, "ngram_min"))
-@click.option("--quant", type=_QUANT_MODES, default="none", show_default=True, help="Target quantization: " + MODE_HELP)
-@click.option("--draft-quant", type=_QUANT_MODES, default="none", show_default=True,
+@click.option("--quant", type=_QUANT_MODES, default=field_default(QuantConfig, "mode"), show_default=True,
+              help="Target quantization: " + MODE_HELP)
+@click.option("--draft-quant", type=_QUANT_MODES, default=field_default(QuantConfig, "mode"), show_default=True,
               help="Draft model quantization (same modes; never changes the output, only acceptance).")
 @click.option("--group-size", type=int, default=field_default(QuantConfig, "group_size"), show_default=True,
               help=field_help(QuantConfig, "group_size"))
@@ -44,7 +87,8 @@ _QUANT_MODES = click.Choice(["none", "int8-wo", "int4-wo", "int8", "fp8"])
 @click.option("--calib-size", type=int, default=field_default(QuantConfig, "calib_size"), show_default=True,
               help=field_help(QuantConfig, "calib_size"))
 @click.option("--smooth-quant", is_flag=True, help=field_help(QuantConfig, "smooth_quant"))
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
+@click.option("--kv-cache-dtype", type=_choice(QuantConfig, "kv_cache_dtype"),
+              default=field_default(QuantConfig, "kv_cache_dtype"), show_default=True,
               help="KV cache precision. onnxruntime: auto only; fp8/int8 need --backend tensorrt or trtllm.")
 @click.option("--max-ppl-increase", type=float, default=field_default(AccuracyBudget, "max_ppl_increase"), show_default=True,
               help="Budget: " + field_help(AccuracyBudget, "max_ppl_increase"))
@@ -59,23 +103,14 @@ _QUANT_MODES = click.Choice(["none", "int8-wo", "int4-wo", "int8", "fp8"])
 @click.option("--no-repo", is_flag=True, help="Do not write the Triton model repository.")
 @click.option("--triton-instances", type=int, default=field_default(BuildConfig, "triton_instances"), show_default=True,
               help=field_help(BuildConfig, "triton_instances"))
-@click.option("--max-queue", type=int, default=field_default(BuildConfig, "max_queue"), show_default=True,
-              help=field_help(BuildConfig, "max_queue"))
-@click.option("--draft-schedule", default=None, metavar="B:K,...", help=field_help(BuildConfig, "draft_schedule"))
-@click.option("--target-graph", type=click.Choice(["auto", "genai", "optimum"]),
-              default=field_default(BuildConfig, "target_graph"), show_default=True,
-              help=field_help(BuildConfig, "target_graph"))
 @click.option("--max-draft-len", type=int, default=field_default(BuildConfig, "max_draft_len"), show_default=True,
               help=field_help(BuildConfig, "max_draft_len"))
 @click.option("--draft-vocab", type=int, default=None, metavar="N", help=field_help(BuildConfig, "draft_vocab"))
-@click.option("--threads", type=int, default=field_default(BuildConfig, "threads"), show_default=True,
-              help=field_help(BuildConfig, "threads"))
-@click.option("--export-tolerance", type=float, default=field_default(BuildConfig, "export_tolerance"), show_default=True,
-              help=field_help(BuildConfig, "export_tolerance"))
 @click.option("--allow-pickle", is_flag=True, help="Allow pickle (.bin) weights. Only for checkpoints you trust.")
 @click.option("--force", is_flag=True, help="Replace an existing build of the same name.")
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON when done.")
-def build(as_json: bool, no_repo: bool, **options) -> None:
+@_backend_options
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest (GPU backends: the plan) as JSON when done.")
+def build(as_json: bool, no_repo: bool, backend: str, **options) -> None:
     """Check a draft/target pair, export both to engines, and write engines/NAME/manifest.json.
 
     With several --draft candidates, deploy the one measured fastest, or the target alone.
@@ -85,68 +120,93 @@ def build(as_json: bool, no_repo: bool, **options) -> None:
       specpipe build --target smollm2-135m --draft path/to/draft
       specpipe build --target smollm2-135m --draft path/to/draft --draft ngram --draft self:int4-wo
     """
-    from rich.console import Console
-
     from specpipe.build import build as build_pair
+    from specpipe.manifest import read_manifest
 
-    if no_repo:
-        options["repo_dir"] = None
-    ngram = make_config(NgramConfig, ngram_max=options.pop("ngram_max"), ngram_min=options.pop("ngram_min"))
-    choice = make_config(DraftChoiceConfig, **{k: options.pop(k) for k in ("min_speedup", "choice_prompts", "choice_tokens")})
-    options["draft"] = list(options["draft"])
-    gpu = split_gpu_options(build, options)
-    if backend_of(gpu) is not None:  # --backend tensorrt | trtllm: specpipe/commands/gpu_build.py
-        if len(options["draft"]) != 1:
-            raise UsageError(f"--backend {backend_of(gpu)} builds one --draft; got {len(options['draft'])}")
-        return gpu_build(gpu, {**options, "draft": options["draft"][0]}, as_json=as_json)
-    if gpu.get("max_batch_size") is not None:  # one --max-batch-size for every backend, each with its default
-        options["max_batch_size"] = gpu["max_batch_size"]
-    quant, draft_quant = _quant_configs(options)
-    cfg = make_config(BuildConfig, **options, ngram=ngram, choice=choice, quant=quant, draft_quant=draft_quant)
-    console = Console(stderr=True)
-    with console.status("building") as status:
-        folder = build_pair(cfg, progress=lambda msg: (status.update(msg), console.log(msg)))
-    manifest = json.loads((folder / "manifest.json").read_text())
+    cfg = _config(backend, no_repo, options)
+    if cfg.backend.kind != "onnxruntime":
+        return _gpu_build(cfg, as_json)
+    with _status() as say:
+        folder = build_pair(cfg, progress=say)
+    manifest = read_manifest(folder)
     if as_json:
-        click.echo(json.dumps(manifest, indent=2))
+        click.echo(json.dumps(manifest.as_dict(), indent=2))
     else:
         _print_summary(folder, manifest)
-    for warning in manifest.get("warnings", []):
+    for warning in manifest.warnings:
         click.echo(f"warning: {warning}", err=True)
 
 
-def _print_summary(folder: Path, manifest: dict) -> None:
-    t, d = manifest["target"], manifest["draft"]
+def _gpu_build(cfg: BuildConfig, as_json: bool) -> None:
+    """Plan; print it and write the repository (--dry-run), or run it where CUDA and the packages are."""
+    from specpipe.build import make_plan, render_plan, run_plan, write_plan_repository
+
+    plan = make_plan(cfg)
+    if cfg.backend.dry_run:
+        written = write_plan_repository(plan, cfg)
+        click.echo(plan.model_dump_json(indent=2) if as_json else render_plan(plan))
+        if written and not as_json:
+            click.echo(f"\nwrote the Triton repository: {plan.repo_dir} ({len(written)} files; upstream model.py files are"
+                       " copied by the real build)")
+        return
+    with _status() as say:
+        folder = run_plan(plan, cfg, progress=say)
+    click.echo(plan.model_dump_json(indent=2) if as_json else f"built {folder} ({plan.backend}, {plan.flow})")
+
+
+@contextmanager
+def _status():
+    """Progress on stderr: the current step, and a log line per step."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with console.status("building") as status:
+        yield lambda msg: (status.update(msg), console.log(msg))
+
+
+def _config(backend: str, no_repo: bool, options: dict) -> BuildConfig:
+    """The BuildConfig of the command line: the backend's options only where given (parameter source)."""
+    context = click.get_current_context()
+    given = {field: options.pop(field) for field in _BACKEND_OPTIONS}
+    given = {field: value for field, value in given.items() if context.get_parameter_source(field) != ParameterSource.DEFAULT}
+    ngram = make_config(NgramConfig, ngram_max=options.pop("ngram_max"), ngram_min=options.pop("ngram_min"))
+    choice = make_config(DraftChoiceConfig, **{k: options.pop(k) for k in ("min_speedup", "choice_prompts", "choice_tokens")})
+    quant, draft_quant = _quant_configs(options)
+    if no_repo:
+        options["repo_dir"] = None
+    return make_config(BuildConfig, **options, backend={"kind": backend, **given},
+                       ngram=ngram, choice=choice, quant=quant, draft_quant=draft_quant)
+
+
+def _print_summary(folder: Path, manifest: Manifest) -> None:
+    t, d = manifest.target, manifest.draft
     click.echo(f"built {folder}")
-    click.echo(f"  target {t['source']}: max |logit diff| vs torch {t['export_check']['max_abs_diff']:.2e}")
-    if "export_check" in d:
-        click.echo(f"  draft  {d['source']}: max |logit diff| vs torch {d['export_check']['max_abs_diff']:.2e}")
-        if "vocab" in d:
-            click.echo(f"  draft  head scores its {d['vocab']['size']} most used tokens "
-                       f"({d['vocab']['coverage']:.1%} of its training tokens)")
-    elif d["kind"] == "self":
-        click.echo(f"  draft  {d['source']}: top-1 agreement with the target "
-                   f"{d['quant']['accuracy']['top1_agreement']:.3f}")
-    elif d["kind"] == "ngram":
-        click.echo(f"  draft  prompt lookup (n-grams {d['ngram']['ngram_min']}..{d['ngram']['ngram_max']})")
+    click.echo(f"  target {t.source}: max |logit diff| vs torch {t.export_check.max_abs_diff:.2e}")
+    if d.kind == "model":
+        click.echo(f"  draft  {d.source}: max |logit diff| vs torch {d.export_check.max_abs_diff:.2e}")
+        if d.vocab is not None:
+            click.echo(f"  draft  head scores its {d.vocab.size} most used tokens ({d.vocab.coverage:.1%} of its training tokens)")
+    elif d.kind == "self":
+        click.echo(f"  draft  {d.source}: top-1 agreement with the target {d.quant.accuracy.top1_agreement:.3f}")
+    elif d.kind == "ngram":
+        click.echo(f"  draft  prompt lookup (n-grams {d.ngram.ngram_min}..{d.ngram.ngram_max})")
     else:
         click.echo("  draft  none: the target alone decodes every request")
-    if "prediction" in d:
-        p = d["prediction"]
-        click.echo(f"  draft  predicted {p['speedup']:.2f}x the target alone (acceptance {p['acceptance']:.2f}, "
-                   f"{p['acceptance_from']})")
-    choice = manifest.get("draft_choice")
+    prediction = getattr(d, "prediction", None)
+    if prediction is not None:
+        click.echo(f"  draft  predicted {prediction.speedup:.2f}x the target alone (acceptance {prediction.acceptance:.2f}, "
+                   f"{prediction.acceptance_from})")
+    choice = manifest.draft_choice
     if choice:
-        sample = choice["sample"]
-        click.echo(f"  candidates, greedy with adaptive K on {choice['candidates'][0]['prompts']} bench prompts "
-                   f"({' + '.join(sample['prompt_sets'])}), {sample['new_tokens']} new tokens each:")
-        for m in choice["candidates"]:
-            accepted = "" if m["acceptance_rate"] is None else f"  acceptance {m['acceptance_rate']:.2f}"
-            predicted = "" if m["predicted_speedup"] is None else f"  predicted {m['predicted_speedup']:.2f}x"
-            mark = "*" if m["draft"] == choice["chosen"] else " "
-            click.echo(f"   {mark} {m['draft']:<28} {m['tokens_per_s']:7.1f} tok/s  {m['speedup']:.2f}x{accepted}{predicted}")
-        click.echo(f"  deployed {choice['chosen']}: {choice['reason']}")
-    click.echo(f"  took {manifest['timings_s']['total_s']:.1f} s")
+        click.echo(f"  candidates, greedy with adaptive K on {choice.candidates[0].prompts} bench prompts "
+                   f"({' + '.join(choice.sample.prompt_sets)}), {choice.sample.new_tokens} new tokens each:")
+        for m in choice.candidates:
+            accepted = "" if m.acceptance_rate is None else f"  acceptance {m.acceptance_rate:.2f}"
+            predicted = "" if m.predicted_speedup is None else f"  predicted {m.predicted_speedup:.2f}x"
+            mark = "*" if m.draft == choice.chosen else " "
+            click.echo(f"   {mark} {m.draft:<28} {m.tokens_per_s:7.1f} tok/s  {m.speedup:.2f}x{accepted}{predicted}")
+        click.echo(f"  deployed {choice.chosen}: {choice.reason}")
+    click.echo(f"  took {manifest.timings_s['total_s']:.1f} s")
 
 
 def _quant_configs(options: dict) -> tuple[QuantConfig, QuantConfig]:

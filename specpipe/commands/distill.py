@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import get_args
 
 import click
 
-from specpipe.config import DistillConfig, DistillDtype, field_default, field_help, make_config
+from specpipe.config import DistillConfig, field_choices, field_default, field_help, make_config
 
 
 def _option(name: str, **kwargs):
@@ -28,14 +27,14 @@ def _option(name: str, **kwargs):
 @_option("--train-tokens", type=int)
 @_option("--data-fraction", type=float)
 @_option("--seed", type=int)
-@click.option("--data", multiple=True, type=click.Choice(["answers", "stdlib"]),
+@click.option("--data", multiple=True, type=click.Choice(field_choices(DistillConfig, "data")),
               default=field_default(DistillConfig, "data"), show_default=True, help=field_help(DistillConfig, "data"))
 @click.option("--prompts", type=click.Path(path_type=Path), default=None, help=field_help(DistillConfig, "prompts"))
 @_option("--max-answer-tokens", type=int)
 @_option("--answer-batch", type=int)
-@_option("--teacher-dtype", type=click.Choice(list(get_args(DistillDtype))))
-@_option("--train-dtype", type=click.Choice(list(get_args(DistillDtype))))
-@_option("--device", type=click.Choice(["auto", "cpu", "cuda"]))
+@_option("--teacher-dtype", type=click.Choice(field_choices(DistillConfig, "teacher_dtype")))
+@_option("--train-dtype", type=click.Choice(field_choices(DistillConfig, "train_dtype")))
+@_option("--device", type=click.Choice(field_choices(DistillConfig, "device")))
 @_option("--lr", type=float)
 @_option("--batch-tokens", type=int)
 @_option("--negatives", type=int)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import click
 
-from specpipe.config import GenerationConfig, SamplingConfig, field_default, make_config
+from specpipe.config import THREADS, THREADS_HELP, GenerationConfig, SamplingConfig, field_default, make_config
 from specpipe.errors import UsageError
 
 
@@ -28,7 +28,7 @@ from specpipe.errors import UsageError
 @click.option("--top-p", type=float, default=field_default(SamplingConfig, "top_p"), show_default=True, help="In (0, 1].")
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--threads", type=int, default=2, show_default=True, help="ONNX Runtime intra-op threads.")
+@click.option("--threads", type=int, default=THREADS, show_default=True, help=f"{THREADS_HELP}.")
 @click.option("--url", default=None, help="Triton gRPC address (e.g. 127.0.0.1:8001) instead of ENGINE_DIR.")
 @click.option("--stream", is_flag=True, help="Print text as it is accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")

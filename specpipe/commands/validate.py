@@ -8,6 +8,7 @@ from typing import Optional
 
 import click
 
+from specpipe.config import THREADS, THREADS_HELP
 from specpipe.errors import GateFailedError, UsageError
 
 DEFAULT_REPORT_DIR = Path("reports/gate")
@@ -25,7 +26,7 @@ DEFAULT_REPORT_DIR = Path("reports/gate")
 @click.option("--report-dir", type=click.Path(path_type=Path), default=DEFAULT_REPORT_DIR, show_default=True,
               help="Where junit.xml, report.json and report.html go.")
 @click.option("--remeasure", is_flag=True, help="Measure quantization accuracy again instead of reading the manifest.")
-@click.option("--threads", type=int, default=2, show_default=True, help="ONNX Runtime threads for in-process engines.")
+@click.option("--threads", type=int, default=THREADS, show_default=True, help=f"{THREADS_HELP} for in-process engines.")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json instead of the summary.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def validate(target: Optional[Path], gate_file, in_process, url, engines, model_name, report_dir, remeasure, threads,

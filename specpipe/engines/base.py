@@ -136,26 +136,3 @@ def read_engine_meta(folder: Path) -> dict:
         return json.loads(meta_path.read_text())
     except json.JSONDecodeError as exc:
         raise EngineError(f"{meta_path} is not valid JSON: {exc}") from None
-
-
-def load_engine(folder: str | Path, *, threads: int = 2, min_rows: int = 1) -> Engine:
-    """Open the engine in `folder`, choosing the backend its engine.json names (imported lazily).
-
-    `min_rows`: run shorter calls padded to this many rows (engines/onnxruntime.py: a target opened with 2
-    scores a position alike in a 1-token step and inside a verify call)."""
-    folder = Path(folder)
-    meta = read_engine_meta(folder)
-    backend = meta.get("backend", "onnxruntime")
-    if backend == "onnxruntime" and meta.get("kv_layout") == "shared":
-        from specpipe.engines.shared_kv import SharedKVEngine
-
-        return SharedKVEngine(folder, threads=threads, min_rows=min_rows)
-    if backend == "onnxruntime":
-        from specpipe.engines.onnxruntime import OrtEngine
-
-        return OrtEngine(folder, threads=threads, min_rows=min_rows)
-    if backend == "tensorrt":
-        from specpipe.engines.tensorrt import TensorRTEngine  # needs CUDA + tensorrt
-
-        return TensorRTEngine(folder)
-    raise EngineError(f"{folder}: unknown engine backend {backend!r}")

@@ -1,13 +1,13 @@
 """TensorRT engine: a `model.plan` built from optimum's text-generation-with-past graph, KV cache on the GPU.
 
-The plan has three optimization profiles (prefill, decode, verify; specpipe/gpu/tensorrt_build.py); each
+The plan has three optimization profiles (prefill, decode, verify; specpipe/engines/tensorrt_build.py); each
 has its own execution context, so switching call shapes never re-selects a profile. A sequence keeps its
 cache as one CUDA tensor per past_key_values input, [1, kv_heads, past, head_dim]; a call feeds it and the
 graph's present.* outputs (the cache with the new tokens appended) become the next cache. Rollback is a
 slice along the sequence axis, as in the ONNX Runtime engine. Device memory comes from torch (CUDA
 build), which also gives the stream handle; tensorrt and torch are imported when an engine is opened.
 
-TensorRT API names: specpipe/gpu/upstream.py. Requirements of IExecutionContext.set_tensor_address
+TensorRT API names: specpipe/engines/upstream.py. Requirements of IExecutionContext.set_tensor_address
 (NVIDIA/TensorRT include/NvInferRuntime.h): every input needs a non-null address with 256-byte alignment,
 even an empty one, so a cache of length 0 is fed a small placeholder buffer.
 """
@@ -32,7 +32,7 @@ class TensorRTEngine(Engine):
             raise EngineError(f"the tensorrt engine in {folder} needs the tensorrt package and a CUDA build of torch: {exc}") from None
         if not torch.cuda.is_available():
             raise EngineError(f"the tensorrt engine in {folder} needs a CUDA GPU (torch.cuda.is_available() is False)")
-        from specpipe.gpu.tensorrt_build import Profile
+        from specpipe.engines.tensorrt_build import Profile
 
         self.folder = Path(folder)
         self.meta = read_engine_meta(self.folder)
@@ -78,7 +78,7 @@ class TensorRTEngine(Engine):
         return TensorRTSequence(self)
 
     def _select(self, new_tokens: int, past_tokens: int) -> int:
-        from specpipe.gpu.tensorrt_build import select_profile
+        from specpipe.engines.tensorrt_build import select_profile
 
         return select_profile(self.profiles, new_tokens, past_tokens)
 

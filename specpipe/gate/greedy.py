@@ -20,9 +20,9 @@ NAME = "greedy_equivalence"
 def check_greedy(subject: Subject, gate: GateConfig, tick: Tick) -> CheckResult:
     cfg = gate.greedy
     tokenizer = subject.reference.tokenizer
-    target_quant = subject.reference.manifest["target"]["engine"].get("quant", "none")
+    target_quant = subject.reference.manifest.target.engine.quant
     tolerance = cfg.near_tie_margin if cfg.near_tie_margin is not None else near_tie_tolerance(target_quant)
-    consistency = subject.reference.manifest["target"].get("verify_consistency")
+    consistency = subject.reference.manifest.target.verify_consistency
     failures, warnings, per_prompt = [], [], []
     for prompt in gate.prompts:
         speculative = subject.greedy_ids(prompt, cfg.max_new_tokens, gate.num_draft_tokens)
@@ -48,12 +48,12 @@ def check_greedy(subject: Subject, gate: GateConfig, tick: Tick) -> CheckResult:
     if consistency is None:
         warnings.append("the build recorded no verify_consistency for the target (built before specpipe measured it):"
                         " rebuild so its 1-token steps score like verify rows")
-    elif not consistency.get("within_tolerance", True):
+    elif not consistency.within_tolerance:
         # The build measured the target scoring a position differently alone than inside a verify call by
         # more than the near-tie rule allows: greedy speculative output is not guaranteed to be the target's.
         warnings.append(
             f"the target engine ({target_quant}) is not verify-consistent: its logits for a position differ by up to"
-            f" {consistency['max_abs_logit_diff']:.3g} between a 1-token decode and a {consistency['chunk']}-token"
+            f" {consistency.max_abs_logit_diff:.3g} between a 1-token decode and a {consistency.chunk}-token"
             f" verify call (near-tie tolerance {tolerance:g}); speculative greedy output may differ from target-only"
         )
 
@@ -68,7 +68,7 @@ def check_greedy(subject: Subject, gate: GateConfig, tick: Tick) -> CheckResult:
         "max_new_tokens": cfg.max_new_tokens,
         "near_tie_margin": tolerance,
         "target_quant": target_quant,
-        "verify_consistency": consistency,
+        "verify_consistency": consistency.model_dump() if consistency is not None else None,
         "per_prompt": per_prompt,
     }
     summary = f"{matched}/{len(per_prompt)} prompts identical, {near_ties} near-tie, {len(failures)} real mismatch"

@@ -3,7 +3,7 @@
 Two runs on the same subject, same prompts, same settings: speculative (K = num_draft_tokens) and
 target-only (num_draft_tokens = 0, the same engines). Warm-up requests are not measured. `concurrency` users
 each send their next request when the last one ends; through a server each run is one level of
-`specpipe loadtest` (specpipe.bench.load.run_level), so an SLO stated here holds at that load.
+`specpipe loadtest` (specpipe.triton.load.run_level), so an SLO stated here holds at that load.
 
 Conventions (genai-perf's): TTFT = request sent -> first token received; ITL = (request latency - TTFT) /
 (output tokens - 1), one value per request; percentiles over requests. tokens_per_s = all output tokens /

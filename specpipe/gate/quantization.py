@@ -13,24 +13,29 @@ how often drafts are accepted, so a draft over budget is a warning.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from specpipe.config import AccuracyBudget, GateConfig
 from specpipe.errors import GateError
 from specpipe.gate.report import CheckResult
+from specpipe.manifest import Manifest, ModelEntry, SelfDraft
 
 NAME = "quantization_accuracy"
 
-
-def quant_mode(entry: dict) -> str:
-    return str((entry.get("quant") or {}).get("mode") or entry.get("engine", {}).get("quant") or "none")
+Built = Union[ModelEntry, SelfDraft]  # a model with an engine of its own: the target, a draft model, a self-draft
 
 
-def check_quantization(manifest: dict, folder: Path, gate: GateConfig, *, remeasure: bool = False) -> CheckResult:
-    from specpipe.quantize.accuracy import AccuracyReport, budget_violations
+def _built_engines(manifest: Manifest) -> list[tuple[str, Built]]:
+    """(role, entry) of each engine the build made; prompt lookup and no draft have none."""
+    draft = [("draft", manifest.draft)] if isinstance(manifest.draft, (ModelEntry, SelfDraft)) else []
+    return [("target", manifest.target), *draft]
 
-    roles = [(role, manifest[role]) for role in ("target", "draft") if isinstance(manifest.get(role), dict)]
-    modes = {role: quant_mode(entry) for role, entry in roles}
+
+def check_quantization(manifest: Manifest, folder: Path, gate: GateConfig, *, remeasure: bool = False) -> CheckResult:
+    from specpipe.quantize.accuracy import budget_violations
+
+    roles = _built_engines(manifest)
+    modes = {role: entry.quant_mode for role, entry in roles}
     quantized = [(role, entry) for role, entry in roles if modes[role] != "none"]
     if not quantized:
         summary = "not applicable: no quantized engine in the manifest (" + ", ".join(f"{r} {m}" for r, m in modes.items()) + ")"
@@ -38,19 +43,17 @@ def check_quantization(manifest: dict, folder: Path, gate: GateConfig, *, remeas
 
     failures, warnings, per_engine = [], [], {}
     for role, entry in quantized:
-        block = entry.get("quant") or {}
-        budget = _budget(block.get("budget"), gate)
+        budget = _budget(entry.quant.budget if entry.quant else None, gate)
         if remeasure:
-            accuracy = _remeasure(folder, role, entry, block, manifest).as_dict()
-        elif block.get("accuracy"):
-            accuracy = block["accuracy"]
+            report = _remeasure(folder, role, entry, manifest)
+        elif entry.quant is not None and entry.quant.accuracy is not None:
+            report = entry.quant.accuracy
         else:
             failures.append(f"{role} ({modes[role]}): the manifest records no accuracy numbers; rebuild or use --remeasure")
             continue
-        report = AccuracyReport(**accuracy)
         violations = budget_violations(report, budget)
         per_engine[role] = {
-            "mode": modes[role], "accuracy": accuracy, "budget": budget.model_dump(),
+            "mode": modes[role], "accuracy": report.as_dict(), "budget": budget.model_dump(),
             "remeasured": remeasure, "violations": [v.as_dict() for v in violations],
         }
         for v in violations:
@@ -65,12 +68,12 @@ def check_quantization(manifest: dict, folder: Path, gate: GateConfig, *, remeas
     return CheckResult(NAME, status, summary, failures, warnings, {"applicable": True, "modes": modes, "engines": per_engine})
 
 
-def _budget(recorded: Optional[dict], gate: GateConfig) -> AccuracyBudget:
+def _budget(recorded: Optional[AccuracyBudget], gate: GateConfig) -> AccuracyBudget:
     overrides = {k: v for k, v in gate.quantization.model_dump(exclude={"enabled"}).items() if v is not None}
-    return AccuracyBudget(**{**(recorded or {}), **overrides})
+    return AccuracyBudget(**{**(recorded.model_dump() if recorded else {}), **overrides})
 
 
-def _remeasure(folder: Path, role: str, entry: dict, block: dict, manifest: dict):
+def _remeasure(folder: Path, role: str, entry: Built, manifest: Manifest):
     """Measure the quantized engine against the unquantized one the build kept, on the evaluation set."""
     from transformers import AutoTokenizer
 
@@ -78,9 +81,9 @@ def _remeasure(folder: Path, role: str, entry: dict, block: dict, manifest: dict
     from specpipe.quantize import measure_accuracy
     from specpipe.quantize.calibration import evaluation_batches
 
-    reference = block.get("reference_path") or (entry.get("unquantized_engine") or {}).get("path")
+    reference = entry.quant.reference_path if entry.quant else None
     if not reference or not (folder / reference).is_dir():
         raise GateError(f"--remeasure: the build kept no unquantized {role} engine to measure against (manifest: {reference!r})")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest["tokenizer"]["path"]))
-    quant_cfg = QuantConfig(mode=block.get("mode", entry["engine"]["quant"]))
-    return measure_accuracy(folder / reference, folder / entry["engine"]["path"], evaluation_batches(tokenizer, quant_cfg))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest.tokenizer.path))
+    quant_cfg = QuantConfig(mode=entry.quant_mode)
+    return measure_accuracy(folder / reference, folder / entry.engine.path, evaluation_batches(tokenizer, quant_cfg))

@@ -17,7 +17,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Literal, Optional
 
-from specpipe.config import GateConfig
+from specpipe.config import THREADS, GateConfig
 from specpipe.errors import GateError, SpecpipeError
 from specpipe.gate.report import CheckResult, GateReport, write_report
 from specpipe.gate.subjects import InProcessSubject, Subject
@@ -35,15 +35,15 @@ def run_gate(
     engines: Optional[str | Path] = None,
     model_name: Optional[str] = None,
     remeasure: bool = False,
-    threads: int = 2,
+    threads: int = THREADS,
     progress: bool = True,
 ) -> GateReport:
     """Run every enabled check on `target` and write junit.xml, report.json and report.html."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specpipe.machine import describe_machine
-    from specpipe.manifest import library_versions, now_iso
+    from specpipe.machine import describe_machine, library_versions
+    from specpipe.manifest import now_iso
 
     started_iso, started = now_iso(), time.perf_counter()
     console = Console(stderr=True, quiet=not progress)

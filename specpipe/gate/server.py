@@ -83,8 +83,8 @@ class ServerSubject(Subject):
             return np.array(list(pool.map(one, range(n))), dtype=np.int64)
 
     def timed_run(self, prompts, max_new_tokens, num_draft_tokens, concurrency, requests, warmup, tick):
-        """Closed-loop streaming users, as `specpipe loadtest` runs a level (specpipe.bench.load)."""
-        from specpipe.bench.load import run_level
+        """Closed-loop streaming users, as `specpipe loadtest` runs a level (specpipe.triton.load)."""
+        from specpipe.triton.load import run_level
         from specpipe.triton.client import request_tensors
 
         cfg = self._config(max_new_tokens, num_draft_tokens)

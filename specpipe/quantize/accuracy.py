@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specpipe.config import AccuracyBudget
+from specpipe.config import THREADS, AccuracyBudget
 from specpipe.errors import AccuracyBudgetError, UsageError
 
 
@@ -61,9 +61,9 @@ def sequence_logits(engine, token_ids: Sequence[int]) -> np.ndarray:
     return engine.new_sequence().append(list(token_ids))
 
 
-def measure_accuracy(ref_dir: Path, quant_dir: Path, token_batches: Sequence[Sequence[int]], *, threads: int = 2) -> AccuracyReport:
+def measure_accuracy(ref_dir: Path, quant_dir: Path, token_batches: Sequence[Sequence[int]], *, threads: int = THREADS) -> AccuracyReport:
     """Compare the engine in `quant_dir` with the one in `ref_dir` on `token_batches` (see module docstring)."""
-    from specpipe.engines.base import load_engine, read_engine_meta
+    from specpipe.engines import load_engine, read_engine_meta
 
     batches = [list(b) for b in token_batches if len(b) >= 2]
     if not batches:
@@ -133,13 +133,13 @@ def check_budget(report: AccuracyReport, budget: AccuracyBudget, model_name: str
     return violations
 
 
-def greedy_agreement(draft_dir: Path, target_dir: Path, token_batches: Sequence[Sequence[int]], *, threads: int = 2) -> float:
+def greedy_agreement(draft_dir: Path, target_dir: Path, token_batches: Sequence[Sequence[int]], *, threads: int = THREADS) -> float:
     """Share of positions where the draft's argmax equals the target's, teacher-forced on `token_batches`.
 
     A cheap stand-in for the greedy acceptance rate of single drafted tokens; compare it for the fp32 and
     the quantized draft against the same target to see what quantizing the draft costs in acceptance.
     """
-    from specpipe.engines.base import load_engine
+    from specpipe.engines import load_engine
 
     draft, target = load_engine(draft_dir, threads=threads), load_engine(target_dir, threads=threads)
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specpipe.config import THREADS
+
 MODEL_FILE = "model.onnx"
 EXTERNAL_DATA_FILE = MODEL_FILE + ".data"
 PROTOBUF_LIMIT = 1_800_000_000  # protobuf refuses messages over 2 GB; keep a margin
@@ -143,7 +145,7 @@ def kv_input_shapes(model) -> dict[str, tuple[int, int]]:
 
 
 def save_ort_optimized(
-    folder: Path, *, threads: int = 2, disabled_optimizers: tuple[str, ...] = (), config: dict[str, str] | None = None
+    folder: Path, *, threads: int = THREADS, disabled_optimizers: tuple[str, ...] = (), config: dict[str, str] | None = None
 ) -> None:
     """Replace folder/model.onnx with ONNX Runtime's optimized graph (as the build does for fp32 engines).
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from specpipe.config import QuantConfig
+from specpipe.config import THREADS, QuantConfig
 from specpipe.errors import UsageError
 from specpipe.quantize.graph import (
     constant_weight_matmuls,
@@ -138,7 +138,7 @@ def quantize_engine(
     tokenizer,
     *,
     model_name: str,
-    threads: int = 2,
+    threads: int = THREADS,
 ) -> dict:
     """Quantize, measure against `src_dir`, check the budget. Returns the manifest's "quant" block.
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from specpipe.config import THREADS
 from specpipe.quantize.graph import folder_bytes
 
 MODES = ("none", "int8-wo", "int4-wo", "int8", "fp8")
@@ -45,7 +46,7 @@ class SpeedReport:
 def measure_speeds(
     engine_dirs: Sequence[Path],
     *,
-    threads: int = 2,
+    threads: int = THREADS,
     context_len: int = 64,
     runs: int = 24,
     rounds: int = 3,
@@ -53,7 +54,7 @@ def measure_speeds(
     bandwidth_gb_s: float | None = None,
 ) -> list[SpeedReport]:
     """Median ms of one decode step for each engine (see the module docstring). `runs` in total per engine."""
-    from specpipe.engines.base import load_engine, read_engine_meta
+    from specpipe.engines import load_engine, read_engine_meta
 
     engines = [load_engine(folder, threads=threads) for folder in engine_dirs]
     context = [(7 * i + 11) % min(e.vocab_size for e in engines) for i in range(context_len)]  # any fixed tokens
@@ -119,7 +120,7 @@ def quantize_all_modes(fp32_engine: Path, tokenizer, out_dir: Path, modes: Seque
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("engines", nargs="*", type=Path)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=THREADS)
     parser.add_argument("--context-len", type=int, default=64)
     parser.add_argument("--runs", type=int, default=24)
     parser.add_argument("--bandwidth-gb-s", type=float, default=None, help="measured memory bandwidth, for the floor")

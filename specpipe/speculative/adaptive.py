@@ -146,7 +146,7 @@ def draft_length_policy(cfg: GenerationConfig, costs: StepCosts) -> DraftLengthP
 def measure_step_costs(target, draft=None, *, verify_tokens: int = 8) -> StepCosts:
     """Time the engines alone on a 64-token cache (medians): a target call on 1 and on 1 + verify_tokens
     tokens, and a draft step. Prompt lookup (no draft engine) costs nothing."""
-    from specpipe.bench.limits import step_ms
+    from specpipe.engines.timing import step_ms
 
     one = step_ms(target, 1)
     many = step_ms(target, 1 + verify_tokens)

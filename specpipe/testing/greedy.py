@@ -12,7 +12,7 @@ def assert_greedy_equivalent(deployment, prompt: str | Sequence[int], speculativ
     """Fail unless `speculative` equals `target_only` up to a first divergence at a near-tie of the
     deployment's target (tolerance from its precision). Returns that divergence, or None if identical."""
     prompt_ids = deployment.generator.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
-    tolerance = near_tie_tolerance(deployment.manifest["target"]["engine"].get("quant", "none"))
+    tolerance = near_tie_tolerance(deployment.manifest.target.engine.quant)
     divergence = compare_greedy(deployment.target, prompt_ids, speculative, target_only, tolerance)
     assert divergence is None or divergence.near_tie, f"greedy outputs differ beyond a near-tie: {divergence}"
     return divergence

@@ -4,8 +4,8 @@ Layout (relocatable: nothing refers outside the model folder):
 
     <repo>/<model>/config.pbtxt      rendered from a ModelSpec (model_config_pb2 + text_format)
     <repo>/<model>/1/model.py        copy of specpipe/triton/model_py/model.py, the Python-backend adapter
-    <repo>/<model>/1/engine/...      the deployment: manifest.json, tokenizer/, target/, draft/
-                                     (hard links when on the same filesystem, else copies)
+    <repo>/<model>/1/engine/...      the deployment: manifest.json, tokenizer/, target/, draft/ (what the
+                                     manifest names; hard links on the same filesystem, else copies)
 
 The model is named `ensemble` by default: the model name TensorRT-LLM's Triton clients use.
 """
@@ -101,7 +101,7 @@ def write_repository(
     from specpipe.manifest import read_manifest
 
     engine_dir, repo_dir = Path(engine_dir), Path(repo_dir)
-    read_manifest(engine_dir)  # a clear error now rather than a failed model load in the server
+    manifest = read_manifest(engine_dir)  # a clear error now rather than a failed model load in the server
     if not model_name or "/" in model_name or model_name.startswith("."):
         raise UsageError(f"model name must be a plain folder name, got {model_name!r}")
     if instance_count < 1:
@@ -120,7 +120,14 @@ def write_repository(
     try:
         model_dir = stage / model_name
         version_dir = model_dir / VERSION
-        shutil.copytree(engine_dir, version_dir / spec_engine_dir(spec), copy_function=_link_or_copy)
+        deployment = version_dir / spec_engine_dir(spec)
+        for relative in manifest.deployment_paths():
+            source, copy = engine_dir / relative, deployment / relative
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            if source.is_dir():
+                shutil.copytree(source, copy, copy_function=_link_or_copy)
+            else:
+                _link_or_copy(str(source), str(copy))
         shutil.copy2(MODEL_PY, version_dir / "model.py")
         spec.write(model_dir)
         if final.exists():

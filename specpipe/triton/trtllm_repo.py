@@ -14,7 +14,7 @@ upstream code: a real build copies them from the pinned checkout, and `compare_w
 tensors here against that checkout's templates, so a renamed tensor fails the build instead of the server.
 
 The `llmapi` flow writes one model instead: Triton's LLM-API model (`tensorrt_llm`, Python backend) and
-its model.yaml (specpipe.gpu.trtllm.LlmApiModelYaml).
+its model.yaml (specpipe.build.trtllm.LlmApiModelYaml).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field
 from tritonclient.grpc import model_config_pb2 as mc
 
-from specpipe.gpu import upstream
+from specpipe.engines import upstream
 from specpipe.triton.model_config import CONFIG_FILE, DynamicBatching, EnsembleStep, ModelSpec, TensorSpec, parse_config
 
 LOGITS_TYPE = "FP32"  # ${logits_datatype}; TYPE_FP32 in upstream's draft-target example

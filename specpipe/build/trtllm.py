@@ -15,7 +15,7 @@ Engine flow (`--trtllm-flow engine`, TensorRT-LLM 1.2.1, the last stable release
                  --max_draft_len K; both with paged context FMHA (KV-cache reuse and chunked context need it)
     serve        tensorrtllm_backend: the BLS model runs the draft, then the target on the drafts
 
-Every upstream name used here is in specpipe/gpu/upstream.py with the file and commit it was read in.
+Every upstream name used here is in specpipe/engines/upstream.py with the file and commit it was read in.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specpipe.gpu import upstream
-from specpipe.gpu.shapes import ModelShape
-from specpipe.gpu.steps import Step
+from specpipe.build.steps import Step
+from specpipe.checkpoint.facts import ModelShape
+from specpipe.config import NgramConfig
+from specpipe.engines import upstream
 
 # trtllm-build's own default (gh-pages 1.2.1/commands/trtllm-build.html); raised to max_input_len so a
 # whole prompt fits one context step.
@@ -40,6 +41,7 @@ class ModelJob:
     """One model of the pair and where its artifacts go."""
 
     role: Literal["target", "draft"]
+    spec: str  # what the user named: an alias or a folder
     shape: ModelShape
     hf_dir: Path  # the resolved Hugging Face folder (a link the resolve step makes)
     quant: str  # specpipe mode: none | fp8 | int8 | int8-wo | int4-wo
@@ -65,14 +67,17 @@ class ModelJob:
         return [self.engine_dir / upstream.ENGINE_CONFIG_FILE] + [self.engine_dir / upstream.engine_file(r) for r in range(self.tp)]
 
 
-@dataclass(frozen=True)
-class Limits:
-    dtype: str  # float16 | bfloat16
+class Limits(BaseModel):
+    """What the engines are built for (and calibrated on), as the plan settled it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtype: Literal["float16", "bfloat16"]
     max_batch_size: int
     max_input_len: int
-    max_seq_len: int
+    max_seq_len: int  # the target's context, capped, when not given
     max_draft_len: int
-    calib_size: int
+    calib_size: Optional[int] = None  # ModelOpt's calibration samples (TensorRT-LLM)
 
 
 def needs_modelopt(job: ModelJob) -> bool:
@@ -324,13 +329,13 @@ def is_eagle3_head(shape: ModelShape) -> bool:
     return shape.architecture in upstream.EAGLE3_ARCHITECTURES
 
 
-def llmapi_args(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> dict[str, Any]:
-    """The LLM(...) arguments both serving paths share. `draft` None: n-gram drafting."""
+def llmapi_args(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int],
+                ngram: NgramConfig) -> dict[str, Any]:
+    """The LLM(...) arguments both serving paths share. `draft` None: n-gram drafting, up to `ngram.ngram_max` tokens
+    matched (the CPU build's --ngram-max)."""
     spec: Any
     if draft is None:
-        from specpipe.config import NgramConfig  # the CPU build's lookup sizes: one default for both
-
-        spec = NGramSpec(max_draft_len=limits.max_draft_len, max_matching_ngram_size=NgramConfig().ngram_max, draft_len_schedule=schedule)
+        spec = NGramSpec(max_draft_len=limits.max_draft_len, max_matching_ngram_size=ngram.ngram_max, draft_len_schedule=schedule)
     elif is_eagle3_head(draft.shape):
         off = [batch for batch, draft_len in schedule.items() if draft_len == 0]
         spec = Eagle3Spec(
@@ -353,12 +358,14 @@ def llmapi_args(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_
     )
 
 
-def llmapi_model_yaml(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> LlmApiModelYaml:
-    return LlmApiModelYaml(**llmapi_args(target, draft, limits, kv_fraction, schedule))
+def llmapi_model_yaml(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int],
+                      ngram: NgramConfig) -> LlmApiModelYaml:
+    return LlmApiModelYaml(**llmapi_args(target, draft, limits, kv_fraction, schedule, ngram))
 
 
-def trtllm_serve_config(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int]) -> LlmApiArgs:
-    return LlmApiArgs(**llmapi_args(target, draft, limits, kv_fraction, schedule))
+def trtllm_serve_config(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int],
+                        ngram: NgramConfig) -> LlmApiArgs:
+    return LlmApiArgs(**llmapi_args(target, draft, limits, kv_fraction, schedule, ngram))
 
 
 def trtllm_serve_command(model_dir: Path, config_path: Path) -> tuple[str, ...]:

@@ -8,17 +8,16 @@ everything it lacks at once and nothing is half-built.
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Callable, Optional
 
-from specpipe.config import GpuBuildConfig
+from specpipe.build.plan import PLAN_JSON, Plan, plan_jobs, tensorrt_engine_dir, write_plan_repository, write_serve_config
+from specpipe.build.steps import Step
+from specpipe.config import BuildConfig
+from specpipe.engines import upstream
 from specpipe.errors import EngineError, SpecpipeError
-from specpipe.gpu import upstream
-from specpipe.gpu.plan import PLAN_JSON, Plan, tensorrt_engine_dir, write_plan_repository
-from specpipe.gpu.steps import Step
 
 Progress = Callable[[str], None]
 
@@ -27,7 +26,7 @@ class GpuUnavailableError(SpecpipeError):
     """The machine lacks what a real GPU build needs (CUDA, packages, the pinned checkout)."""
 
 
-def missing_requirements(plan: Plan, cfg: GpuBuildConfig) -> list[str]:
+def missing_requirements(plan: Plan, cfg: BuildConfig) -> list[str]:
     """What this machine lacks for `plan`, each as a short phrase; empty when the build can run."""
     needs = set(plan.requirements())
     missing = []
@@ -54,11 +53,11 @@ def missing_requirements(plan: Plan, cfg: GpuBuildConfig) -> list[str]:
     if "modelopt" in needs and importlib.util.find_spec("modelopt") is None:
         missing.append("nvidia-modelopt")
     if "modelopt-checkout" in needs:
-        script = Path(cfg.modelopt_checkout) / upstream.MODELOPT_PTQ_SCRIPT
+        script = Path(cfg.backend.modelopt_checkout) / upstream.MODELOPT_PTQ_SCRIPT
         if not script.is_file():
-            missing.append(f"a NVIDIA/Model-Optimizer checkout in {cfg.modelopt_checkout} (--modelopt-checkout; no {script})")
+            missing.append(f"a NVIDIA/Model-Optimizer checkout in {cfg.backend.modelopt_checkout} (--modelopt-checkout; no {script})")
     if "trtllm-checkout" in needs:
-        checkout = Path(cfg.trtllm_checkout)
+        checkout = Path(cfg.backend.trtllm_checkout)
         probe = checkout / (upstream.QUANTIZE_SCRIPT if plan.flow == "engine" else upstream.LLMAPI_TEMPLATES_DIR)
         if not probe.exists():
             tag = upstream.TRTLLM_ENGINE_TAG if plan.flow == "engine" else f"a >= v{upstream.TRTLLM_LLMAPI_MIN_VERSION} tag"
@@ -66,7 +65,7 @@ def missing_requirements(plan: Plan, cfg: GpuBuildConfig) -> list[str]:
     return missing
 
 
-def run_plan(plan: Plan, cfg: GpuBuildConfig, progress: Optional[Progress] = None) -> Path:
+def run_plan(plan: Plan, cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     """Build everything the plan lists. Returns the work folder (engines/<name>)."""
     say = progress or (lambda msg: None)
     missing = missing_requirements(plan, cfg)
@@ -75,73 +74,52 @@ def run_plan(plan: Plan, cfg: GpuBuildConfig, progress: Optional[Progress] = Non
             f"cannot run the {plan.backend} build here, it needs: {'; '.join(missing)} (nothing was built; --dry-run prints the plan)"
         )
     work = Path(plan.work_dir)
-    context: dict[str, object] = {}
     for step in plan.steps:
         say(f"{step.id}: {step.title}")
-        _execute(step, plan, cfg, context)
+        _RUN[step.kind](step, plan, cfg, work)
     return work
 
 
-def _execute(step: Step, plan: Plan, cfg: GpuBuildConfig, context: dict) -> None:
-    work = Path(plan.work_dir)
-    if step.kind == "command":
-        result = subprocess.run(step.argv, capture_output=True, text=True)
-        if result.returncode != 0:
-            tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
-            raise EngineError(f"{step.id} failed (exit {result.returncode}): {tail}")
-        return
-    handler = _HANDLERS.get(step.id.split(".")[-1] if "." in step.id else step.id)
-    if handler is None:
-        raise EngineError(f"no executor for plan step {step.id}")
-    handler(step, plan, cfg, context, work)
+def _command(step: Step, plan: Plan, cfg: BuildConfig, work: Path) -> None:
+    result = subprocess.run(step.argv, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
+        raise EngineError(f"{step.id} failed (exit {result.returncode}): {tail}")
 
 
-def _resolve(step, plan, cfg, context, work):
-    from specpipe.checkpoint import resolve_checkpoint
+def _resolve(step, plan, cfg, work):
+    from specpipe.checkpoint import check_pair, resolve_checkpoint
 
-    role = step.id.split(".")[0]
-    resolved = resolve_checkpoint(step.kwargs["spec"], allow_pickle=False)
-    link = work / "hf" / role
+    resolved = resolve_checkpoint(step.kwargs["spec"], allow_pickle=cfg.allow_pickle)
+    link = work / "hf" / step.role
     link.parent.mkdir(parents=True, exist_ok=True)
     if link.is_symlink() or link.exists():
         link.unlink()
     link.symlink_to(Path(resolved.path).absolute(), target_is_directory=True)
-    if role == "draft":
-        from specpipe.checkpoint import check_pair
-
+    if step.role == "draft":
         check_pair(work / "hf" / "target", link)
 
 
-def _tokenizer(step, plan, cfg, context, work):
+def _tokenizer(step, plan, cfg, work):
     from specpipe.checkpoint import load_tokenizer
 
     load_tokenizer(Path(step.kwargs["path"])).save_pretrained(str(work / "tokenizer"))
 
 
-def _deployment(step, plan, cfg, context, work):
-    from specpipe.build import build
-    from specpipe.config import BuildConfig
-
-    kwargs = dict(step.kwargs, force=True)
-    build(BuildConfig(**kwargs))
-
-
-def _export(step, plan, cfg, context, work):
-    from specpipe.checkpoint import resolve_checkpoint
+def _export(step, plan, cfg, work):
     from specpipe.export.onnx import export_onnx
 
-    export_onnx(Path(resolve_checkpoint(step.kwargs["checkpoint"]).path), Path(step.kwargs["out_dir"]))
+    export_onnx(Path(step.kwargs["checkpoint"]), Path(step.kwargs["out_dir"]))
 
 
-def _quantize(step, plan, cfg, context, work):
-    from specpipe.config import QuantConfig
+def _quantize(step, plan, cfg, work):
+    from transformers import AutoTokenizer
+
     from specpipe.quantize.calibration import calibration_batches
     from specpipe.quantize.graph import load_model, untie_lm_head
     from specpipe.quantize.static import quantize_calibrated
 
-    from transformers import AutoTokenizer
-
-    quant = QuantConfig(mode=step.kwargs["mode"])
+    quant = cfg.quant if step.role == "target" else cfg.draft_quant  # its calibration prompts, size and window
     tokenizer = AutoTokenizer.from_pretrained(str(work / "tokenizer"))
     model = load_model(Path(step.kwargs["model"]).parent)
     untie_lm_head(model)
@@ -151,48 +129,68 @@ def _quantize(step, plan, cfg, context, work):
     )  # fmt: skip
 
 
-def _autocast(step, plan, cfg, context, work):
-    from specpipe.gpu.tensorrt_build import autocast
+def _autocast(step, plan, cfg, work):
+    from specpipe.engines.tensorrt_build import autocast
 
     dtype = next(k for k, v in upstream.AUTOCAST_LOW_PRECISION.items() if v == step.kwargs["low_precision_type"])
     autocast(Path(step.kwargs["onnx_path"]), Path(step.writes[0]).parent, dtype)
 
 
-def _engine(step, plan, cfg, context, work):
-    from specpipe.gpu.tensorrt_build import build_engine, optimization_profiles, write_tensorrt_meta
+def _tensorrt_engine(step, plan, cfg, work):
+    from specpipe.engines.tensorrt_build import build_engine, optimization_profiles, write_tensorrt_meta
 
-    role = step.id.split(".")[0]
-    model = plan.target if role == "target" else plan.draft
+    model = plan.model(step.role)
     limits = plan.limits
     profiles = optimization_profiles(
-        model.shape, max_seq_len=int(limits["max_seq_len"]), max_input_len=int(limits["max_input_len"]),
-        max_draft_len=int(limits["max_draft_len"]),
-    )  # fmt: skip
-    out = tensorrt_engine_dir(work, role)
+        model.shape, max_seq_len=limits.max_seq_len, max_input_len=limits.max_input_len, max_draft_len=limits.max_draft_len
+    )
+    out = tensorrt_engine_dir(work, step.role)
     build_engine(Path(step.kwargs["onnx"]), out, profiles)
-    precision = cfg.dtype if model.quant == "none" else "float32"
+    precision = limits.dtype if model.quant == "none" else "float32"
     write_tensorrt_meta(
-        out, model.shape, profiles, max_seq_len=int(limits["max_seq_len"]), max_draft_len=int(limits["max_draft_len"]),
+        out, model.shape, profiles, max_seq_len=limits.max_seq_len, max_draft_len=limits.max_draft_len,
         precision=precision, quant=model.quant,
     )  # fmt: skip
 
 
-def _manifest(step, plan, cfg, context, work):
-    from specpipe.manifest import file_hashes
+def _manifest(step, plan, cfg, work):
+    """The TensorRT deployment's manifest, as the CPU build writes one: what `specpipe serve`, `validate`,
+    `generate` and `bench` open. Step costs are timed on these engines, on this GPU."""
+    import json
 
-    path = work / "manifest.json"
-    manifest = json.loads(path.read_text())
-    for role in ("target", "draft"):
-        folder = tensorrt_engine_dir(work, role)
-        manifest[role]["engine"] = {"path": folder.name, "backend": "tensorrt", "files": file_hashes(folder)}
-    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    from specpipe.checkpoint import inspect_checkpoint, load_tokenizer, tokenizer_hash, weights_sha256
+    from specpipe.engines import load_engine
+    from specpipe.manifest import EngineRecord, Manifest, ModelDraft, ModelEntry, TokenizerRecord, file_hashes, write_manifest
+    from specpipe.speculative.adaptive import measure_step_costs
+
+    entries = {}
+    for model in (plan.target, plan.draft):
+        folder, checkpoint = tensorrt_engine_dir(work, model.role), work / "hf" / model.role
+        entries[model.role] = ModelEntry(
+            source=model.spec, resolved_path=str(checkpoint.resolve()), weights_sha256=weights_sha256(checkpoint),
+            checkpoint=inspect_checkpoint(checkpoint).model_dump(mode="json"),
+            engine=EngineRecord(path=folder.name, backend="tensorrt", quant=model.quant, files=file_hashes(folder)),
+        )  # fmt: skip
+    engines = {role: load_engine(work / entry.engine.path) for role, entry in entries.items()}
+    write_manifest(work, Manifest.new(
+        name=plan.name, build=json.loads(cfg.model_dump_json()),
+        tokenizer=TokenizerRecord(path="tokenizer", hash=tokenizer_hash(load_tokenizer(work / "tokenizer"))),
+        eos_token_ids=sorted(inspect_checkpoint(work / "hf" / "target").eos_token_ids), max_draft_len=plan.limits.max_draft_len,
+        step_costs=measure_step_costs(engines["target"], engines["draft"]),
+        target=entries["target"], draft=ModelDraft.of(entries["draft"]),
+    ))  # fmt: skip
 
 
-def _repository(step, plan, cfg, context, work):
-    write_plan_repository(plan, cfg)
+def _repository(step, plan, cfg, work):
+    if plan.backend == "tensorrt":  # specpipe's own repository, over the deployment just built
+        from specpipe.triton.repository import DEFAULT_MODEL_NAME, write_repository
+
+        write_repository(work, Path(plan.repo_dir), instance_count=cfg.triton_instances, model_name=DEFAULT_MODEL_NAME, force=True)
+    else:
+        write_plan_repository(plan, cfg)
 
 
-def _repository_check(step, plan, cfg, context, work):
+def _repository_check(step, plan, cfg, work):
     """The written config.pbtxt files against the pinned checkout's templates, tensor by tensor."""
     from specpipe.triton.model_config import read_config
 
@@ -219,7 +217,7 @@ def _compare_proto(name: str, ours, templates: Path, flow: str) -> list[str]:
     return problems
 
 
-def _model_py(step, plan, cfg, context, work):
+def _model_py(step, plan, cfg, work):
     from specpipe.triton.trtllm_repo import copy_upstream_model_files
 
     repo = Path(plan.repo_dir)
@@ -227,52 +225,44 @@ def _model_py(step, plan, cfg, context, work):
     copy_upstream_model_files(repo, Path(step.kwargs["checkout"]), plan.flow, names)
 
 
-def _serve_config(step, plan, cfg, context, work):
-    from specpipe.gpu.plan import write_serve_config
-
+def _serve_config(step, plan, cfg, work):
     write_serve_config(plan, cfg)
 
 
-def _llm_args(step, plan, cfg, context, work):
+def _llm_args(step, plan, cfg, work):
     """The installed TensorRT-LLM's own validation of the LLM arguments (unknown or bad fields fail here, not at serve time)."""
     import yaml
     from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
 
-    from specpipe.gpu.trtllm import llmapi_model_dir
+    from specpipe.build.trtllm import llmapi_model_dir
 
-    target = next(job for job in _jobs(plan) if job.role == "target")
+    target = plan_jobs(plan)[0]
     try:
         TorchLlmArgs(model=str(llmapi_model_dir(target).absolute()), **yaml.safe_load(Path(step.kwargs["config"]).read_text()))
     except Exception as err:
         raise EngineError(f"TensorRT-LLM refuses {step.kwargs['config']}: {type(err).__name__}: {' '.join(str(err).split())}") from None
 
 
-def _jobs(plan):
-    from specpipe.gpu.plan import _jobs_from_plan
-
-    return _jobs_from_plan(plan)
-
-
-def _plan_json(step, plan, cfg, context, work):
+def _plan_json(step, plan, cfg, work):
     work.mkdir(parents=True, exist_ok=True)
     (work / PLAN_JSON).write_text(plan.model_dump_json(indent=2) + "\n")
 
 
-_HANDLERS = {
+_RUN: dict[str, Callable[[Step, Plan, BuildConfig, Path], None]] = {
+    "command": _command,
     "resolve": _resolve,
     "tokenizer": _tokenizer,
-    "deployment": _deployment,
     "export": _export,
     "quantize": _quantize,
     "autocast": _autocast,
-    "engine": _engine,
+    "tensorrt_engine": _tensorrt_engine,
     "manifest": _manifest,
     "repository": _repository,
-    "check": _repository_check,
+    "repository_check": _repository_check,
     "model_py": _model_py,
-    "plan": _plan_json,
     "serve_config": _serve_config,
     "llm_args": _llm_args,
+    "plan": _plan_json,
 }
 
 

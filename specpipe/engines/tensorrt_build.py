@@ -8,7 +8,7 @@ engine (`model.plan`) with three optimization profiles, one per call shape of th
 Each profile covers every past length 0..max_seq_len-new, so any call the decoder makes has a profile;
 `select_profile` picks the narrowest. The network is always strongly typed: precision lives in the graph
 (TensorRT 11 removed the fp16/int8/fp8 builder flags). fp16/bf16 come from ModelOpt AutoCast before the
-build; fp8/int8 from the Q/DQ nodes of specpipe's quantizer. Upstream API names: specpipe/gpu/upstream.py.
+build; fp8/int8 from the Q/DQ nodes of specpipe's quantizer. Upstream API names: specpipe/engines/upstream.py.
 
 Pure functions (profiles, tensor shapes) run anywhere; `build_engine` and `autocast` import tensorrt /
 modelopt lazily and need CUDA.
@@ -22,8 +22,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from specpipe.checkpoint.facts import ModelShape
 from specpipe.errors import EngineError
-from specpipe.gpu.shapes import ModelShape
 
 PLAN_FILE = "model.plan"
 ProfileName = Literal["prefill", "decode", "verify"]
@@ -138,7 +138,7 @@ def autocast(src_onnx: Path, dst_dir: Path, dtype: str) -> Path:
     import onnx
     from modelopt.onnx.autocast import convert_to_mixed_precision
 
-    from specpipe.gpu.upstream import AUTOCAST_LOW_PRECISION
+    from specpipe.engines.upstream import AUTOCAST_LOW_PRECISION
 
     model = convert_to_mixed_precision(onnx_path=str(src_onnx), low_precision_type=AUTOCAST_LOW_PRECISION[dtype], keep_io_types=False)
     dst_dir.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specpipe.gpu.shapes import ModelShape
+from specpipe.checkpoint.facts import ModelShape
 
 GB = 1e9
 RESERVE_GB = 2.0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -16,48 +15,57 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
-from specpipe.config import BuildConfig, draft_kind
-from specpipe.engines.base import load_engine
+from specpipe.checkpoint.facts import CONTEXT_LENGTH_UNSAID
+from specpipe.config import MAX_SEQ_LEN, BuildConfig, draft_kind
+from specpipe.engines import load_engine
 from specpipe.engines.onnxruntime import TARGET_MIN_ROWS, optimize_for_cpu, write_engine_meta
 from specpipe.engines.shared_kv import KV_LAYOUT
 from specpipe.errors import ExportError, OutputExistsError, UsageError
 from specpipe.export.genai_builder import builder_available, run_model_builder
 from specpipe.export.onnx import check_export, export_onnx
 from specpipe.machine import describe_machine
-from specpipe.manifest import file_hashes, library_versions, now_iso, write_manifest
+from specpipe.manifest import (
+    ChoiceSample,
+    ConsistencyRecord,
+    DraftChoice,
+    DraftEntry,
+    EngineRecord,
+    ExportCheck,
+    Manifest,
+    ModelDraft,
+    ModelEntry,
+    NgramDraft,
+    NoDraft,
+    Prediction,
+    QuantRecord,
+    SelfDraft,
+    ServingRecord,
+    TokenizerRecord,
+    VocabRecord,
+    file_hashes,
+    write_manifest,
+)
 from specpipe.speculative.adaptive import StepCosts, measure_batch_costs
+from specpipe.triton.repository import DEFAULT_MODEL_NAME, write_repository
 
 Progress = Callable[[str], None]
-SERVED_MODEL = "ensemble"  # the model name TensorRT-LLM's Triton clients ask for by default
-
-
-def default_name(target: str, draft: str | list[str]) -> str:
-    def short(spec: str) -> str:
-        stem = Path(spec.rstrip("/")).name
-        stem = stem[:-5] if stem.endswith(".gguf") else stem
-        return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.") or "model"
-
-    drafts = [draft] if isinstance(draft, str) else draft
-    return f"{short(target)}--{short(drafts[0]) if len(drafts) == 1 else 'auto'}"  # auto: chosen at build
-
-
-def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
+def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     """Build engines/<name>/ (and the Triton repository when cfg.repo_dir is set). Returns the folder.
 
     One --draft is built and deployed as given. Several are each built and measured against the target
-    alone, and the fastest is deployed, or none (specpipe/draft_choice.py); the others are not kept."""
+    alone, and the fastest is deployed, or none (specpipe/build/draft_choice.py); the others are not kept."""
     from specpipe.checkpoint import check_pair, inspect_checkpoint, load_tokenizer, resolve_checkpoint, tokenizer_hash
 
     say = progress or (lambda msg: None)
-    name = cfg.name or default_name(cfg.target, cfg.draft)
+    name = cfg.output_name
     final = Path(cfg.engines_dir) / name
     if final.exists() and not cfg.force:
         raise OutputExistsError(f"{final} exists; pass --force to replace it")
-    if cfg.repo_dir is not None and (Path(cfg.repo_dir) / SERVED_MODEL).exists() and not cfg.force:
-        raise OutputExistsError(f"{Path(cfg.repo_dir) / SERVED_MODEL} exists; pass --force to replace it")
+    if cfg.repo_dir is not None and (Path(cfg.repo_dir) / DEFAULT_MODEL_NAME).exists() and not cfg.force:
+        raise OutputExistsError(f"{Path(cfg.repo_dir) / DEFAULT_MODEL_NAME} exists; pass --force to replace it")
     from specpipe.quantize import check_kv_cache_dtype
 
-    check_kv_cache_dtype(cfg.quant, cfg.backend)  # refuse, never silently ignore, a KV precision we cannot do
+    check_kv_cache_dtype(cfg.quant, cfg.backend.kind)  # refuse, never silently ignore, a KV precision we cannot do
     kinds = {spec: draft_kind(spec) for spec in cfg.draft}
     if cfg.draft_vocab and "model" not in kinds.values():
         raise UsageError(f"--draft-vocab applies to a draft model; --draft {', '.join(cfg.draft)} has no head of its own")
@@ -80,170 +88,148 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         tokenizer.save_pretrained(str(stage / "tokenizer"))
         timings: dict[str, float] = {}
         target_entry = _build_engine(target, stage / "target", cfg, cfg.quant, tokenizer, say, timings, "target")
-        target_entry["verify_consistency"], target_entry["min_rows_per_call"] = _target_min_rows(
+        target_entry.verify_consistency, target_entry.min_rows_per_call = _target_min_rows(
             stage / "target", cfg, tokenizer, say, timings)
 
-        def build_draft(spec: str, out: Path, spent: dict) -> dict:
+        def build_draft(spec: str, out: Path, spent: dict) -> DraftEntry:
             return _build_draft(spec, kinds[spec], out, stage, cfg, models.get(spec), vocabs.get(spec), target,
                                 tokenizer, say, spent, target_entry)
 
         choice = None
         if cfg.choosing:
             draft_entry, costs, choice = _choose_draft(stage, cfg, kinds, build_draft, tokenizer, eos_token_ids, say,
-                                                       target_entry["min_rows_per_call"])
+                                                       target_entry.min_rows_per_call)
             warnings = _slow_candidates(choice, draft_entry)
         else:
             draft_entry = build_draft(cfg.draft[0], stage, timings)
             say("timing the engines for adaptive K")
-            costs = _measure_step_costs(stage, draft_entry, cfg, target_entry["min_rows_per_call"])
+            costs = _measure_step_costs(stage, draft_entry, cfg, target_entry.min_rows_per_call)
             warnings = _predict(cfg.draft[0], draft_entry, models.get(cfg.draft[0]), costs, cfg)
-        say(f"timing batched target steps (up to {cfg.max_batch_size} requests) for load-adaptive K")
-        batch_costs = measure_batch_costs(load_engine(stage / "target", threads=cfg.threads,
-                                                      min_rows=target_entry["min_rows_per_call"]), cfg.max_batch_size)
+        say(f"timing batched target steps (up to {cfg.backend.max_batch_size} requests) for load-adaptive K")
+        batch_costs = measure_batch_costs(load_engine(stage / "target", threads=cfg.backend.threads,
+                                                      min_rows=target_entry.min_rows_per_call), cfg.backend.max_batch_size)
         timings["total_s"] = time.perf_counter() - started
-        write_manifest(
-            stage,
-            {
-                "name": name,
-                "created": now_iso(),
-                "specpipe_version": library_versions()["specpipe"],
-                "versions": library_versions(),
-                "build": json.loads(cfg.model_dump_json()),
-                "tokenizer": {"path": "tokenizer", "hash": tokenizer_hash(tokenizer)},
-                "eos_token_ids": eos_token_ids,
-                "max_draft_len": cfg.max_draft_len,
-                "step_costs": costs.as_dict(),
-                "batch_costs": batch_costs.as_dict(),
-                "serving": {"max_batch_size": cfg.max_batch_size, "max_queue": cfg.max_queue,
-                            "draft_schedule": cfg.draft_schedule},
-                "machine": describe_machine(cfg.threads).as_dict(),  # where step_costs and timings_s were measured
-                "target": target_entry,
-                "draft": draft_entry,
-                **({"draft_choice": choice} if choice is not None else {}),
-                "warnings": warnings,
-                "timings_s": timings,
-            },
-        )
+        write_manifest(stage, Manifest.new(
+            name=name, build=json.loads(cfg.model_dump_json()), tokenizer=TokenizerRecord(path="tokenizer", hash=tokenizer_hash(tokenizer)),
+            eos_token_ids=eos_token_ids, max_draft_len=cfg.max_draft_len, step_costs=costs, batch_costs=batch_costs,
+            serving=ServingRecord(max_batch_size=cfg.backend.max_batch_size, max_queue=cfg.backend.max_queue,
+                                  draft_schedule=cfg.backend.draft_schedule),
+            machine=describe_machine(cfg.backend.threads).as_dict(),  # where step_costs and timings_s were measured
+            target=target_entry, draft=draft_entry, draft_choice=choice, warnings=warnings, timings_s=timings,
+        ))  # fmt: skip
     say(f"wrote {final} in {time.perf_counter() - started:.1f} s")
     if cfg.repo_dir is not None:
-        from specpipe.triton.repository import write_repository
-
         model_dir = write_repository(final, Path(cfg.repo_dir), instance_count=cfg.triton_instances,
-                                     model_name=SERVED_MODEL, force=True)
+                                     model_name=DEFAULT_MODEL_NAME, force=True)
         say(f"wrote the Triton model repository {model_dir}")
     return final
 
 
 def _build_draft(spec: str, kind: str, out: Path, stage: Path, cfg: BuildConfig, draft, vocab: Optional[dict], target,
-                 tokenizer, say: Progress, timings: dict, target_entry: dict) -> dict:
+                 tokenizer, say: Progress, timings: dict, target_entry: ModelEntry) -> DraftEntry:
     """Build one --draft candidate's files in `out` (its engine in out/draft); returns its manifest entry,
     whose paths are relative to `out`. `stage` holds the target's engines (a self-draft starts from them)."""
     if kind == "none":
-        return {"kind": "none", "source": "none"}
+        return NoDraft(kind="none", source="none")
     if kind == "ngram":
-        return {"kind": "ngram", "source": "ngram", "ngram": cfg.ngram.model_dump()}
+        return NgramDraft(kind="ngram", source="ngram", ngram=cfg.ngram)
     if kind == "self":
         return _build_self_draft(spec, stage, out, cfg, tokenizer, say, timings, target_entry)
     if draft.weights_sha256 == target.weights_sha256 and cfg.draft_quant == cfg.quant and vocab is None:
         say("draft is the target: reusing its engine")
         shutil.copytree(stage / "target", out / "draft", copy_function=_link_or_copy)
-        return {"kind": "model", **target_entry, "source": draft.source,
-                "engine": {**target_entry["engine"], "path": "draft"}}
+        engine = target_entry.engine.model_copy(update={"path": "draft"})
+        return ModelDraft.of(target_entry, source=draft.source, engine=engine)
     entry = _build_engine(draft, out / "draft", cfg, cfg.draft_quant, tokenizer, say, timings, "draft", vocab)
-    return {"kind": "model", **entry}
+    return ModelDraft.of(entry)
 
 
-def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Callable[[str, Path, dict], dict], tokenizer,
-                  eos_token_ids: list[int], say: Progress, target_min_rows: int):
+def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Callable[[str, Path, dict], DraftEntry],
+                  tokenizer, eos_token_ids: list[int], say: Progress,
+                  target_min_rows: int) -> tuple[DraftEntry, StepCosts, DraftChoice]:
     """Build every candidate in stage/candidates/<i>, measure them all against the target alone, and move the
     chosen one's files into the stage; the others are removed with that folder.
     Returns (the chosen draft's manifest entry, its step costs, the manifest's `draft_choice`)."""
-    from specpipe import draft_choice
+    from specpipe.build import draft_choice
     from specpipe.deployment import make_drafter
     from specpipe.speculative.adaptive import measure_step_costs
 
-    target = load_engine(stage / "target", threads=cfg.threads, min_rows=target_min_rows)
-    candidates, entries, folders, build_s = [], {}, {}, {}
+    target = load_engine(stage / "target", threads=cfg.backend.threads, min_rows=target_min_rows)
+    candidates, entries, folders = [], {}, {}
     for index, spec in enumerate(cfg.draft):
         say(f"candidate {index + 1}/{len(cfg.draft)}: {spec}")
         folders[spec] = stage / "candidates" / str(index)
         folders[spec].mkdir(parents=True)
         spent: dict[str, float] = {}
         entries[spec] = build_draft(spec, folders[spec], spent)
-        build_s[spec] = spent
-        drafter = make_drafter(folders[spec], entries[spec], target, cfg.threads)
+        drafter = make_drafter(folders[spec], entries[spec], target, cfg.backend.threads)
         say(f"timing the engines of {spec} for adaptive K")
         costs = measure_step_costs(target, getattr(drafter, "engine", None))
-        candidates.append(draft_choice.Candidate(spec, kinds[spec], drafter, costs))
+        candidates.append(draft_choice.Candidate(spec, kinds[spec], drafter, costs, source=entries[spec].source,
+                                                 weights_sha256=getattr(entries[spec], "weights_sha256", None),
+                                                 build_timings_s=spent))
 
     started = time.perf_counter()
     measurements = draft_choice.measure(target, candidates, tokenizer, eos_token_ids, cfg.choice,
                                         max_draft_len=cfg.max_draft_len, progress=say)
     chosen, reason = draft_choice.choose(measurements, cfg.choice.min_speedup)
     say(f"chose {chosen}: {reason}")
-    for measurement in measurements:  # what was built: a cache can tell whether the same candidates were measured
-        entry = entries.get(measurement["draft"], {})
-        measurement.update(source=entry.get("source", measurement["draft"]), weights_sha256=entry.get("weights_sha256"),
-                           build_timings_s=build_s.get(measurement["draft"], {}))
-    choice = {
-        "chosen": chosen,
-        "reason": reason,
-        "min_speedup": cfg.choice.min_speedup,
-        "sample": {"prompt_sets": list(cfg.choice.choice_sets), "prompts_per_set": cfg.choice.choice_prompts,
-                   "new_tokens": cfg.choice.choice_tokens, "decoding": "greedy, adaptive K"},
-        "candidates": measurements,
-        "wall_s": time.perf_counter() - started,
-    }
+    choice = DraftChoice(
+        chosen=chosen, reason=reason, min_speedup=cfg.choice.min_speedup,
+        sample=ChoiceSample(prompt_sets=list(cfg.choice.choice_sets), prompts_per_set=cfg.choice.choice_prompts,
+                            new_tokens=cfg.choice.choice_tokens, decoding="greedy, adaptive K"),
+        candidates=measurements, wall_s=time.perf_counter() - started,
+    )  # fmt: skip
     del candidates, target  # the ONNX Runtime sessions, before their files move
     if chosen == draft_choice.NONE:
-        entry, costs = {"kind": "none", "source": "none"}, _measure_step_costs(stage, {}, cfg, target_min_rows)
+        entry = NoDraft(kind="none", source="none")
+        costs = _measure_step_costs(stage, entry, cfg, target_min_rows)
     else:
         entry = entries[chosen]
         for path in folders[chosen].iterdir():
             path.rename(stage / path.name)
-        costs = next(StepCosts(**m["step_costs"]) for m in measurements if m["draft"] == chosen)
+        costs = choice.measurement(chosen).step_costs
     shutil.rmtree(stage / "candidates")
     return entry, costs, choice
 
 
-def _slow_candidates(choice: dict, entry: dict) -> list[str]:
+def _slow_candidates(choice: DraftChoice, entry: DraftEntry) -> list[str]:
     """One warning per measured model draft that adaptive K's model predicts below 1.0x (speculative/adaptive.py
     `predicted_speedup`, with the candidate's step costs and the acceptance measured on the sample); the
     deployed one's prediction is recorded in `entry`."""
     warnings = []
-    for m in choice["candidates"]:
-        if m["predicted_speedup"] is None:
+    for m in choice.candidates:
+        if m.predicted_speedup is None:
             continue
-        if m["predicted_speedup"] < 1.0:
-            warnings.append(_slow_draft(m["draft"], m["predicted_speedup"], m["acceptance_rate"], "measured acceptance",
-                                        StepCosts(**m["step_costs"])))
-        if m["draft"] == choice["chosen"]:
-            entry["prediction"] = {"speedup": m["predicted_speedup"], "acceptance": m["acceptance_rate"],
-                                   "acceptance_from": "measured on the build's sample"}
+        if m.predicted_speedup < 1.0:
+            warnings.append(_slow_draft(m.draft, m.predicted_speedup, m.acceptance_rate, "measured acceptance", m.step_costs))
+        if m.draft == choice.chosen:
+            entry.prediction = Prediction(speedup=m.predicted_speedup, acceptance=m.acceptance_rate,
+                                          acceptance_from="measured on the build's sample")
     return warnings
 
 
-def _predict(spec: str, entry: dict, draft_ckpt, costs: StepCosts, cfg: BuildConfig) -> list[str]:
+def _predict(spec: str, entry: DraftEntry, draft_ckpt, costs: StepCosts, cfg: BuildConfig) -> list[str]:
     """A single model draft's predicted speedup (adaptive K's model with this machine's step costs), when an
     earlier measurement gives its acceptance: its distill record's held-out agreement, or a self-draft's
     top-1 agreement. Recorded in `entry`; a warning when below 1.0x (the draft makes decoding slower)."""
-    from specpipe.draft_choice import MODEL_KINDS, adaptive_ceiling
+    from specpipe.build.draft_choice import MODEL_KINDS, adaptive_ceiling
     from specpipe.speculative.adaptive import predicted_speedup
 
-    if entry["kind"] not in MODEL_KINDS:
+    if entry.kind not in MODEL_KINDS:
         return []
     acceptance, source = _known_acceptance(entry, draft_ckpt)
     if acceptance is None:
         return []
     speedup = predicted_speedup(acceptance, costs, adaptive_ceiling(cfg.max_draft_len))
-    entry["prediction"] = {"speedup": speedup, "acceptance": acceptance, "acceptance_from": source}
+    entry.prediction = Prediction(speedup=speedup, acceptance=acceptance, acceptance_from=source)
     return [_slow_draft(spec, speedup, acceptance, source, costs)] if speedup < 1.0 else []
 
 
-def _known_acceptance(entry: dict, draft_ckpt) -> tuple[Optional[float], str]:
+def _known_acceptance(entry: ModelDraft | SelfDraft, draft_ckpt) -> tuple[Optional[float], str]:
     """A single draft's expected per-token acceptance, when something measured it before this build."""
-    if entry["kind"] == "self":
-        agreement = (entry.get("quant") or {}).get("accuracy", {}).get("top1_agreement")
+    if entry.kind == "self":
+        agreement = entry.quant.accuracy.top1_agreement if entry.quant.accuracy is not None else None
         return agreement, "top-1 agreement with the target (quantization accuracy)"
     from specpipe.distill.run import RECORD
 
@@ -292,7 +278,7 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
             export_onnx(ckpt.path, Path(raw))
             timings[f"{role}_export_s"] = time.perf_counter() - t0
             say(f"optimizing the {role} graph for ONNX Runtime")
-            optimize_for_cpu(Path(raw) / "model.onnx", out, threads=cfg.threads)
+            optimize_for_cpu(Path(raw) / "model.onnx", out, threads=cfg.backend.threads)
     if vocab is not None:
         from specpipe.quantize.graph import load_model, model_files, save_model, slice_lm_head
 
@@ -313,7 +299,7 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         num_layers=info.num_layers,
         num_kv_heads=info.num_kv_heads,
         head_dim=info.head_dim,
-        max_seq_len=min(int(info.max_position_embeddings or 2048), 8192),
+        max_seq_len=min(int(info.max_position_embeddings or CONTEXT_LENGTH_UNSAID), MAX_SEQ_LEN),
         quant="none",
         **({"kv_layout": KV_LAYOUT} if graph == "genai" else {"ort_optimized": True}),
     )
@@ -321,21 +307,19 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
     say(f"checking the {role} engine against torch")
     max_abs_diff = check_export(
         load_causal_lm(ckpt.path, allow_pickle=cfg.allow_pickle),
-        load_engine(out, threads=cfg.threads),
-        tolerance=cfg.export_tolerance,
+        load_engine(out, threads=cfg.backend.threads),
+        tolerance=cfg.backend.export_tolerance,
         name=role,
     )
     timings[f"{role}_check_s"] = time.perf_counter() - t1
-    entry = {
-        "source": ckpt.source,
-        "resolved_path": str(ckpt.path),
-        "weights_sha256": ckpt.weights_sha256,
-        "checkpoint": info.model_dump(mode="json"),
-        "engine": {"path": out.name, "backend": "onnxruntime", "quant": qcfg.mode, "graph": graph, "files": {}},
-        "export_check": {"max_abs_diff": max_abs_diff, "tolerance": cfg.export_tolerance},
-    }
+    entry = ModelEntry(
+        source=ckpt.source, resolved_path=str(ckpt.path), weights_sha256=ckpt.weights_sha256,
+        checkpoint=info.model_dump(mode="json"),
+        engine=EngineRecord(path=out.name, backend="onnxruntime", quant=qcfg.mode, graph=graph, files={}),
+        export_check=ExportCheck(max_abs_diff=max_abs_diff, tolerance=cfg.backend.export_tolerance),
+    )  # fmt: skip
     if vocab is not None:
-        entry["vocab"] = {k: v for k, v in vocab.items() if k != "token_ids"}
+        entry.vocab = VocabRecord(**{k: v for k, v in vocab.items() if k != "token_ids"})
     if qcfg.mode != "none":
         from specpipe.quantize import quantize_engine
 
@@ -343,10 +327,10 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         reference = out.with_name(f"{role}-fp32")
         out.rename(reference)
         say(f"quantizing the {role} ({qcfg.mode}) and measuring its accuracy")
-        entry["quant"] = {**quantize_engine(reference, out, qcfg, tokenizer, model_name=role, threads=cfg.threads),
-                          "reference_path": reference.name}
+        entry.quant = QuantRecord(**quantize_engine(reference, out, qcfg, tokenizer, model_name=role, threads=cfg.backend.threads),
+                                  reference_path=reference.name)
         timings[f"{role}_quantize_s"] = time.perf_counter() - t2
-    entry["engine"]["files"] = file_hashes(out)
+    entry.engine.files = file_hashes(out)
     return entry
 
 
@@ -361,21 +345,21 @@ def target_graph(cfg: BuildConfig, info) -> str:
     either graph; calibrated modes (int8, fp8) and self-drafts are built for optimum's graph."""
     self_draft = any(spec.startswith("self:") for spec in cfg.draft)
     possible = (cfg.quant.mode in GENAI_QUANT_MODES and info.model_type in GENAI_MODEL_TYPES and not self_draft)
-    if cfg.target_graph == "optimum" or (cfg.target_graph == "auto" and not possible):
+    if cfg.backend.target_graph == "optimum" or (cfg.backend.target_graph == "auto" and not possible):
         return "optimum"
     if not possible:
         raise UsageError(f"--target-graph genai takes a {'/'.join(GENAI_MODEL_TYPES)} target, --quant "
                          f"{'/'.join(GENAI_QUANT_MODES)} and no self: draft (this one: {info.model_type}, quant "
                          f"{cfg.quant.mode})")
     if not builder_available():
-        if cfg.target_graph == "genai":
+        if cfg.backend.target_graph == "genai":
             raise UsageError("--target-graph genai needs onnxruntime-genai (pip install onnxruntime-genai)")
         return "optimum"
     return "genai"
 
 
 def _build_self_draft(spec: str, stage: Path, out: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict,
-                      target_entry: dict) -> dict:
+                      target_entry: ModelEntry) -> SelfDraft:
     """`--draft self:MODE`: the target's own engine, weight-only quantized, drafts for it.
 
     Quantized from the unquantized target engine (`target/`, or `target-fp32/` when --quant quantized the
@@ -386,25 +370,24 @@ def _build_self_draft(spec: str, stage: Path, out: Path, cfg: BuildConfig, token
     from specpipe.quantize import quantize_engine
 
     mode = spec.removeprefix("self:")
-    reference = (target_entry.get("quant") or {}).get("reference_path") or target_entry["engine"]["path"]
+    reference = (target_entry.quant.reference_path if target_entry.quant else None) or target_entry.engine.path
     t0 = time.perf_counter()
     say(f"quantizing the target ({mode}) as its own draft")
     quant = quantize_engine(stage / reference, out / "draft", QuantConfig(mode=mode, accept_accuracy_loss=True),
-                            tokenizer, model_name="self-draft", threads=cfg.threads)
+                            tokenizer, model_name="self-draft", threads=cfg.backend.threads)
     timings["draft_quantize_s"] = time.perf_counter() - t0
-    return {
-        "kind": "self",
-        "source": f"{spec} of {target_entry['source']}",
-        "engine": {"path": "draft", "backend": "onnxruntime", "quant": mode, "files": file_hashes(out / "draft")},
-        "quant": {**quant, "reference_path": reference},
-    }
+    return SelfDraft(
+        kind="self", source=f"{spec} of {target_entry.source}",
+        engine=EngineRecord(path="draft", backend="onnxruntime", quant=mode, files=file_hashes(out / "draft")),
+        quant=QuantRecord(**quant, reference_path=reference),
+    )  # fmt: skip
 
 
 # Prompts on which the build checks that the target is one function (a code and a prose continuation).
 CONSISTENCY_PROMPTS = ("def fibonacci(n):\n", "The capital of France is")
 
 
-def _target_min_rows(folder: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict) -> tuple[dict, int]:
+def _target_min_rows(folder: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict) -> tuple[ConsistencyRecord, int]:
     """Whether the target scores a position alike in a 1-token decode and inside a verify call of K+1 = 5
     tokens (engines/consistency.py), and the rows per call that make it so, measured on this machine.
 
@@ -421,7 +404,7 @@ def _target_min_rows(folder: Path, cfg: BuildConfig, tokenizer, say: Progress, t
     tolerance = near_tie_tolerance(cfg.quant.mode)
     unpadded = None
     for min_rows in (1, TARGET_MIN_ROWS):
-        result = verify_consistency(load_engine(folder, threads=cfg.threads, min_rows=min_rows), prompts, new_tokens=24,
+        result = verify_consistency(load_engine(folder, threads=cfg.backend.threads, min_rows=min_rows), prompts, new_tokens=24,
                                     chunk=5)
         within = 2 * result.max_abs_logit_diff <= tolerance
         if within:
@@ -432,21 +415,21 @@ def _target_min_rows(folder: Path, cfg: BuildConfig, tokenizer, say: Progress, t
             f" 1-token decode and a verify call (near-tie tolerance {tolerance:g}): speculative greedy output may"
             " differ from target-only output")
     timings["target_consistency_s"] = time.perf_counter() - t0
-    record = {**result.as_dict(), "near_tie_tolerance": tolerance, "within_tolerance": within}
+    record = ConsistencyRecord(**result.as_dict(), near_tie_tolerance=tolerance, within_tolerance=within)
     if unpadded is not None:
-        record["unpadded_max_abs_logit_diff"] = unpadded
+        record.unpadded_max_abs_logit_diff = unpadded
     return record, min_rows
 
 
-def _measure_step_costs(stage: Path, draft_entry: dict, cfg: BuildConfig, target_min_rows: int = 1):
+def _measure_step_costs(stage: Path, draft_entry: DraftEntry, cfg: BuildConfig, target_min_rows: int = 1) -> StepCosts:
     """Draft and verification costs relative to a target step, on these engines and this machine: adaptive
     K's inputs (speculative/adaptive.py). Recorded once, so every process serving the build drafts alike.
     A draft without an engine (prompt lookup, none) costs nothing."""
     from specpipe.speculative.adaptive import measure_step_costs
 
-    target = load_engine(stage / "target", threads=cfg.threads, min_rows=target_min_rows)
-    engine = draft_entry.get("engine")
-    draft = load_engine(stage / engine["path"], threads=cfg.threads) if engine else None
+    target = load_engine(stage / "target", threads=cfg.backend.threads, min_rows=target_min_rows)
+    engine = getattr(draft_entry, "engine", None)  # prompt lookup and none have no engine
+    draft = load_engine(stage / engine.path, threads=cfg.backend.threads) if engine is not None else None
     return measure_step_costs(target, draft)
 
 

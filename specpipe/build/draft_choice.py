@@ -12,7 +12,7 @@ request decodes target-only. A draft that makes decoding slower is never deploye
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from specpipe.bench.harness import SpecRow, run_rows, summarize
@@ -20,6 +20,7 @@ from specpipe.bench.prompts import load_prompt_sets
 from specpipe.config import DraftChoiceConfig, DraftKind
 from specpipe.deployment import bounded_generation_config
 from specpipe.engines.base import Engine
+from specpipe.manifest import CandidateMeasurement
 from specpipe.speculative.adaptive import StepCosts, predicted_speedup
 from specpipe.speculative.drafters import Drafter
 from specpipe.speculative.generator import SpecGenerator
@@ -34,12 +35,17 @@ class Candidate:
     kind: DraftKind
     drafter: Optional[Drafter]  # None for "none"
     costs: StepCosts  # measured on this machine for this candidate's engines
+    # what was built, recorded with the measurement
+    source: str
+    weights_sha256: Optional[str] = None  # a draft checkpoint's
+    build_timings_s: dict[str, float] = field(default_factory=dict)
 
 
 def measure(target: Engine, candidates: Sequence[Candidate], tokenizer, eos_token_ids: Sequence[int],
-            cfg: DraftChoiceConfig, *, max_draft_len: int, progress: Callable[[str], None] = lambda msg: None) -> list[dict]:
-    """One record per candidate, "none" (the target alone) first, with the keys `choose` reads."""
-    baseline = Candidate(NONE, "none", None, StepCosts(0.0, 0.0))
+            cfg: DraftChoiceConfig, *, max_draft_len: int,
+            progress: Callable[[str], None] = lambda msg: None) -> list[CandidateMeasurement]:
+    """One measurement per candidate, "none" (the target alone) first."""
+    baseline = Candidate(NONE, "none", None, StepCosts(0.0, 0.0), source=NONE)
     rows = [_row(baseline, target, tokenizer, eos_token_ids, max_draft_len)]
     rows += [_row(c, target, tokenizer, eos_token_ids, max_draft_len) for c in candidates if c.kind != "none"]
     sets = load_prompt_sets([], list(cfg.choice_sets), cfg.choice_prompts)
@@ -65,18 +71,18 @@ def measure(target: Engine, candidates: Sequence[Candidate], tokenizer, eos_toke
     return records
 
 
-def choose(measurements: Sequence[dict], min_speedup: float) -> tuple[str, str]:
+def choose(measurements: Sequence[CandidateMeasurement], min_speedup: float) -> tuple[str, str]:
     """(the --draft value to deploy, why). "none" when no draft is at least `min_speedup` times as fast as the
     target alone. Ties go to the candidate given first."""
-    drafts = [m for m in measurements if m["kind"] != "none" and m.get("speedup") is not None]
+    drafts = [m for m in measurements if m.kind != "none" and m.speedup is not None]
     if not drafts:
         return NONE, "no draft candidate was measured: deploying the target alone"
-    best = max(drafts, key=lambda m: m["speedup"])
-    if best["speedup"] >= min_speedup:
-        return best["draft"], (f"{best['draft']} was the fastest candidate, {best['speedup']:.2f}x the target alone "
-                               f"(a draft is deployed from {min_speedup:.2f}x)")
-    return NONE, (f"no draft was {min_speedup:.2f}x as fast as the target alone (best: {best['draft']} at "
-                  f"{best['speedup']:.2f}x): deploying the target alone")
+    best = max(drafts, key=lambda m: m.speedup)
+    if best.speedup >= min_speedup:
+        return best.draft, (f"{best.draft} was the fastest candidate, {best.speedup:.2f}x the target alone "
+                            f"(a draft is deployed from {min_speedup:.2f}x)")
+    return NONE, (f"no draft was {min_speedup:.2f}x as fast as the target alone (best: {best.draft} at "
+                  f"{best.speedup:.2f}x): deploying the target alone")
 
 
 def _row(candidate: Candidate, target: Engine, tokenizer, eos_token_ids, max_draft_len: int) -> SpecRow:
@@ -86,25 +92,19 @@ def _row(candidate: Candidate, target: Engine, tokenizer, eos_token_ids, max_dra
     return SpecRow(candidate.spec, generator, cfg, "target-only" if alone else "speculative", None)
 
 
-def _record(candidate: Candidate, summary: dict, max_draft_len: int) -> dict:
+def _record(candidate: Candidate, summary: dict, max_draft_len: int) -> CandidateMeasurement:
     alone = candidate.kind == "none"
     acceptance = None if alone else summary["acceptance_rate"]
     predicted = None
     if candidate.kind in MODEL_KINDS and acceptance is not None:
         predicted = predicted_speedup(acceptance, candidate.costs, adaptive_ceiling(max_draft_len))
-    return {
-        "draft": candidate.spec,
-        "kind": candidate.kind,
-        "prompts": summary["prompts"],
-        "tokens_generated": summary["tokens_generated"],
-        "tokens_per_s": summary["tokens_per_s"],
-        "speedup": summary["speedup"],
-        "acceptance_rate": acceptance,
-        "mean_accepted_len": None if alone else summary["mean_accepted_len"],
-        "matches_target": summary["matches_target"],
-        "step_costs": None if alone else candidate.costs.as_dict(),
-        "predicted_speedup": predicted,
-    }
+    return CandidateMeasurement(
+        draft=candidate.spec, kind=candidate.kind, prompts=summary["prompts"], tokens_generated=summary["tokens_generated"],
+        tokens_per_s=summary["tokens_per_s"], speedup=summary["speedup"], acceptance_rate=acceptance,
+        mean_accepted_len=None if alone else summary["mean_accepted_len"], matches_target=summary["matches_target"],
+        step_costs=None if alone else candidate.costs, predicted_speedup=predicted, source=candidate.source,
+        weights_sha256=candidate.weights_sha256, build_timings_s=candidate.build_timings_s,
+    )  # fmt: skip
 
 
 def adaptive_ceiling(max_draft_len: int) -> int:

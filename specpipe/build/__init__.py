@@ -1,0 +1,32 @@
+"""`specpipe build`: a draft/target pair -> engines/<name>/ and its Triton repository, for every backend.
+
+    cpu.py           --backend onnxruntime: engines exported, checked and timed on this machine (the default)
+    draft_choice.py  several --draft candidates measured against the target alone; the fastest is deployed
+    plan.py          the GPU backends (TensorRT, TensorRT-LLM): every step, file and GPU's memory, planned
+                     first, so a plan can be read and tested on a machine without a GPU
+    run.py           executes a plan's steps where CUDA and the packages are present
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from specpipe.build.cpu import Progress, build_cpu
+from specpipe.build.plan import GpuMemoryError, Plan, make_plan, render_plan, write_plan_repository
+from specpipe.build.run import run_plan
+from specpipe.config import BuildConfig
+
+__all__ = ["GpuMemoryError", "Plan", "build", "make_plan", "render_plan", "run_plan", "write_plan_repository"]
+
+
+def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
+    """Build the pair with `cfg.backend`; returns engines/<name>. A GPU backend runs its plan (a dry run writes the
+    plan's Triton repository and runs no step)."""
+    if cfg.backend.kind == "onnxruntime":
+        return build_cpu(cfg, progress)
+    plan = make_plan(cfg)
+    if cfg.backend.dry_run:
+        write_plan_repository(plan, cfg)
+        return Path(plan.work_dir)
+    return run_plan(plan, cfg, progress)
