@@ -166,3 +166,25 @@ def test_each_installed_peer_runs_on_the_tiny_pair(peer, peer_engine, tmp_path, 
     assert mine[f"{peer} K=2"]["vs_specpipe"] is not None and mine[f"{peer} K=2"]["k"] == 2
     if peer in ("openvino", "ortgenai"):  # the peers that report their drafts
         assert 0.0 <= mine[f"{peer} K=2"]["acceptance_rate"] <= 1.0
+
+
+def test_the_model_builder_view_fills_rope_scaling(tiny_target, tmp_path):
+    from specpipe.export.ortgenai_builder import _checkpoint_view
+
+    _checkpoint_view(tiny_target, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["rope_scaling"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert (tmp_path / "model.safetensors").resolve() == (tiny_target / "model.safetensors").resolve()
+
+
+def test_a_model_builder_failure_is_one_line(tmp_path):
+    """Also without onnxruntime-genai installed: the subprocess fails and the error says where, in one line."""
+    from specpipe.errors import ExportError
+    from specpipe.export.ortgenai_builder import run_model_builder
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    with pytest.raises(ExportError) as info:
+        run_model_builder(bad, tmp_path / "out", "fp32", tmp_path / "cache")
+    assert "\n" not in str(info.value) and str(bad) in str(info.value)

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal, Optional
 
-from specpipe.errors import ExportError
+from specpipe.errors import ExportError, last_line
 
 Precision = Literal["fp32", "int8", "int4"]
 
@@ -61,7 +61,7 @@ def run_model_builder(checkpoint_dir: Path, out_dir: Path, precision: Precision,
             raise ExportError(f"onnxruntime-genai's model builder ran past {timeout_s:.0f} s on {checkpoint_dir}") from None
     if done.returncode != 0:
         raise ExportError(f"onnxruntime-genai's model builder failed on {checkpoint_dir} ({precision}): "
-                          f"{_last_line(done.stderr or done.stdout)}")
+                          f"{last_line(done.stderr or done.stdout)}")
     if not (out_dir / "genai_config.json").is_file() or not (out_dir / "model.onnx").is_file():
         raise ExportError(f"onnxruntime-genai's model builder wrote no model.onnx/genai_config.json into {out_dir}")
     return out_dir
@@ -79,11 +79,6 @@ def _checkpoint_view(checkpoint_dir: Path, view: Path) -> None:
     if not config.get("rope_scaling"):
         config["rope_scaling"] = {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
     (view / "config.json").write_text(json.dumps(config, indent=1))
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else "(no output)"
 
 
 def _install_placeholders() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from specpipe.bench.harness import Measurement
-from specpipe.errors import ExportError
+from specpipe.errors import ExportError, last_line
 
 Precision = str  # "fp32" | "int8" | "int4": the weights of the peer's models (llama.cpp: the GGUF's own type)
 
@@ -108,8 +108,8 @@ def run_tool(argv: list[str], what: str, timeout_s: float = 1800) -> None:
     except subprocess.TimeoutExpired:
         raise ExportError(f"{what} ran past {timeout_s:.0f} s") from None
     if done.returncode != 0:
-        lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
-        raise ExportError(f"{what} failed: {lines[-1] if lines else f'exit code {done.returncode}'}")
+        output = done.stderr or done.stdout or f"exit code {done.returncode}"
+        raise ExportError(f"{what} failed: {last_line(output)}")
 
 
 def package_version(name: str) -> str:
