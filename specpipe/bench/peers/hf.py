@@ -1,8 +1,9 @@
 """The hf peer: Hugging Face transformers' own generate() on the pair's torch checkpoints, run eagerly in torch.
 
-Rows: target alone; `assistant_model=draft` at a fixed K (`num_assistant_tokens_schedule="constant"`) and
-with transformers' default heuristic schedule ("hf assisted", its adaptive mode); prompt lookup
-(`prompt_lookup_num_tokens`). Greedy, same prompt ids, same token limit, same threads.
+Rows: target alone; `assistant_model=draft` at a fixed K (`num_assistant_tokens_schedule="constant"`, no
+confidence threshold) and with transformers' default schedule and confidence threshold ("hf assisted",
+its adaptive mode); prompt lookup (`prompt_lookup_num_tokens`). Greedy, same prompt ids, same token limit,
+same threads.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ class HFGenerate:
         self._assistant_config = None
         if assistant is not None:
             config = copy.deepcopy(assistant.generation_config)
-            if k is not None:
+            if k is not None:  # exactly K: a constant schedule, and no early stop on a low-confidence draft token
                 config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
+                config.assistant_confidence_threshold = 0.0
             # transformers keeps the assistant's adaptive state (K, confidence threshold) across calls:
             # restore this initial config before each prompt so prompts are independent.
             self._assistant_config = config

@@ -119,6 +119,10 @@ class LlamaGenerate:
     def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> Measurement:
         if self.drafter is not None:
             self.drafter.k = self.k  # the K rows share one target Llama and one drafter
+            self.drafter.llm.reset()
+        # No KV reuse across prompts (generate() would keep the shared chat-template prefix): the other engines'
+        # rows prefill every prompt from scratch, and so TTFT compares like with like.
+        self.llm.reset()
         ids: list[int] = []
         start = time.perf_counter()
         first_token_at = None
@@ -144,6 +148,7 @@ def draft_model_drafter(draft_llm):
 
     class DraftLlama(LlamaDraftModel):
         k = 1
+        llm = draft_llm
 
         def __call__(self, input_ids, /, **kwargs):
             drafted = []
