@@ -32,7 +32,8 @@ def parse_draft_lengths(text: str, option: str = "-k") -> list[int]:
 @click.option("--no-adaptive", is_flag=True, help="Skip the adaptive-K row.")
 @click.option("--peer", "peer_names", default=",".join(field_default(BenchConfig, "peers")), show_default=True,
               help="Peers to run beside specpipe: a list of hf, openvino, ortgenai, llamacpp, or all / none. "
-                   "All but hf need `pip install 'specpipe[peers]'`; a missing one is a note, not a failure.")
+                   "openvino and ortgenai need `pip install 'specpipe[peers]'`, llamacpp 'specpipe[peers-llamacpp]'; "
+                   "a missing one is a note, not a failure.")
 @click.option("--peer-k", "peer_draft_lengths", default=None,
               help="Fixed K values for the peers' draft-model rows, like -k. Default: the -k values.")
 @click.option("--no-peer", is_flag=True, help="Skip every peer (same as --peer none).")
@@ -45,7 +46,7 @@ def parse_draft_lengths(text: str, option: str = "-k") -> list[int]:
 @click.option("--no-chat", is_flag=True, help="Send prompts as plain text, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help="Also write the JSON results to this file.")
-@click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write a PNG of speedup and acceptance vs K.")
+@click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write a PNG: speedup and acceptance vs K, tokens/s per engine.")
 def bench(engine_dir, prompt_files, prompt_sets, draft_lengths, no_adaptive, peer_names, peer_draft_lengths, no_peer,
           max_new_tokens, threads, max_prompts, warmup_prompts, no_chat, as_json, json_out, plot) -> None:
     """Benchmark ENGINE_DIR (engines/NAME): target-only, speculative K=1..8 and adaptive, and the peers (other
