@@ -36,7 +36,7 @@ def test_a_missing_peer_is_one_note_line(monkeypatch):
     from specpipe.bench import peers
 
     monkeypatch.setitem(peers.PEERS, "llamacpp", peers.PeerSpec("llamacpp", ("no_such_module_xyz",), "llama.cpp",
-                                                                 "peers-llamacpp"))
+                                                                 ("llama-cpp-python",), "peers-llamacpp"))
     assert missing_packages("llamacpp") == ["no_such_module_xyz"]
     note = missing_note("llamacpp")
     assert note == "llamacpp: not installed (no_such_module_xyz missing; pip install 'specpipe[peers-llamacpp]')"
@@ -50,7 +50,7 @@ def test_missing_peers_leave_the_bench_running(tiny_target, tmp_path, capsys, mo
     from specpipe.config import BuildConfig
 
     for name in ("openvino", "ortgenai", "llamacpp"):
-        monkeypatch.setitem(peers.PEERS, name, peers.PeerSpec(name, ("no_such_module_xyz",), name))
+        monkeypatch.setitem(peers.PEERS, name, peers.PeerSpec(name, ("no_such_module_xyz",), name, (name,)))
     engine = build(BuildConfig(target=str(tiny_target), draft="none", name="alone", engines_dir=tmp_path, repo_dir=None))
     main_args = ["bench", str(engine), "--prompts-set", "code", "--max-prompts", "1", "--max-new-tokens", "4",
                  "--warmup-prompts", "0", "--peer", "openvino,ortgenai,llamacpp"]
@@ -63,6 +63,7 @@ def test_missing_peers_leave_the_bench_running(tiny_target, tmp_path, capsys, mo
     notes = results["peer_notes"]
     assert any(note.startswith("peers: no draft model") for note in notes)
     assert [n.split(":")[0] for n in notes if "not installed" in n] == ["openvino", "ortgenai", "llamacpp"]
+    assert results["peer_versions"] == {}
     try:
         main(main_args)
     except SystemExit as exit_info:
@@ -154,6 +155,7 @@ def test_each_installed_peer_runs_on_the_tiny_pair(peer, peer_engine, tmp_path, 
         assert exit_info.code in (0, None)
     results = json.loads(capsys.readouterr().out)
     assert not [n for n in results["peer_notes"] if n.startswith(f"{peer}: skipped")], results["peer_notes"]
+    assert all(version != "?" for version in results["peer_versions"].values()) and results["peer_versions"]
     rows = {row["label"]: row for row in results["sets"][0]["rows"]}
     mine = {label: row for label, row in rows.items() if row["peer"] == peer}
     assert f"{peer} target-only" in mine and f"{peer} K=2" in mine and f"{peer} prompt-lookup" in mine

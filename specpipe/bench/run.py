@@ -43,7 +43,7 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
     rows = spec_rows(generator, cfg.draft_lengths if deployment.drafter is not None else [],
                      cfg.adaptive and deployment.drafter is not None, make_config=deployment.generation_config,
                      strategy=strategy)
-    from specpipe.bench.peers import peer_rows
+    from specpipe.bench.peers import peer_rows, peer_versions
 
     extra, peer_notes = peer_rows(list(cfg.peers), deployment.manifest, cfg.threads,
                                   cfg.peer_draft_lengths or cfg.draft_lengths,
@@ -59,13 +59,14 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
         done += 1
         say(f"{label} · {prompt_id}", done, total)
 
+    precision = PRECISION_OF_QUANT.get(deployment.manifest["target"]["engine"].get("quant", "none"))
     started = time.perf_counter()
     warmup = [encoded[0][1][i % len(encoded[0][1])][1] for i in range(cfg.warmup_prompts)]
     sets = []
     for index, (name, prompts) in enumerate(encoded):
         results = run_rows(rows, prompts, max_new_tokens=cfg.max_new_tokens, warmup=warmup if index == 0 else [],
                            on_run=on_run)
-        table = _table(rows, results, PRECISION_OF_QUANT.get(deployment.manifest["target"]["engine"].get("quant", "none")))
+        table = _table(rows, results, precision)
         baseline = results[BASELINE]
         sets.append({
             "name": name,
@@ -88,6 +89,7 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
         "step_costs_ms": _step_costs(deployment),
         "adaptive_costs": deployment.costs.as_dict(),  # what adaptive K assumed: the build's measurement
         "peer_notes": peer_notes,
+        "peer_versions": peer_versions(list(cfg.peers)),
         "sets": sets,
         "wall_s": time.perf_counter() - started,
     }

@@ -27,14 +27,18 @@ class PeerSpec:
     module: str  # specpipe.bench.peers.<module>: `rows(PeerPair) -> (rows, notes)`
     packages: tuple[str, ...]  # importable modules it needs
     what: str  # the engine, for notes
+    distributions: tuple[str, ...]  # the installed distributions whose versions the results record
     extra: str = "peers"  # the pyproject extra that installs it
 
 
 PEERS: dict[str, PeerSpec] = {
-    "hf": PeerSpec("hf", ("transformers", "torch"), "transformers generate()", extra="dev"),
-    "openvino": PeerSpec("openvino", ("openvino_genai", "optimum.intel"), "OpenVINO GenAI (optimum-intel export)"),
-    "ortgenai": PeerSpec("ortgenai", ("onnxruntime_genai",), "onnxruntime-genai (its model builder)"),
-    "llamacpp": PeerSpec("llamacpp", ("llama_cpp",), "llama.cpp (llama-cpp-python)", extra="peers-llamacpp"),
+    "hf": PeerSpec("hf", ("transformers", "torch"), "transformers generate()", ("transformers", "torch"), extra="dev"),
+    "openvino": PeerSpec("openvino", ("openvino_genai", "optimum.intel"), "OpenVINO GenAI (optimum-intel export)",
+                         ("openvino-genai", "openvino", "optimum-intel")),
+    "ortgenai": PeerSpec("ortgenai", ("onnxruntime_genai",), "onnxruntime-genai (its model builder)",
+                         ("onnxruntime-genai", "onnxruntime")),
+    "llamacpp": PeerSpec("llamacpp", ("llama_cpp",), "llama.cpp (llama-cpp-python)", ("llama-cpp-python",),
+                         extra="peers-llamacpp"),
 }
 
 
@@ -70,6 +74,14 @@ def missing_note(name: str) -> Optional[str]:
     if not missing:
         return None
     return f"{name}: not installed ({', '.join(missing)} missing; pip install 'specpipe[{PEERS[name].extra}]')"
+
+
+def peer_versions(names: list[str]) -> dict[str, str]:
+    """Versions of the installed peers' packages, for the results (absolute numbers hold for these versions)."""
+    from specpipe.bench.peers.common import package_version
+
+    return {dist: package_version(dist) for name in names if not missing_packages(name)
+            for dist in PEERS[name].distributions}
 
 
 def pair_from_manifest(manifest: dict, threads: int, draft_lengths: list[int]) -> tuple[Optional[PeerPair], Optional[str]]:
