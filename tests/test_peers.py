@@ -136,8 +136,9 @@ def peer_engine(tiny_target, tiny_tokenizer, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("peer-pair")
     draft = make_tiny_llama(root / "draft", seed=1, num_layers=1, hidden_size=64, tokenizer=tiny_tokenizer)
-    target_gguf = write_llama_gguf(tiny_target, root / "target.gguf")
-    draft_gguf = write_llama_gguf(draft, root / "draft.gguf")
+    # "smollm": a pre-tokenizer name both llama.cpp and specpipe's GGUF reader know (llama.cpp refuses "gpt2").
+    target_gguf = write_llama_gguf(tiny_target, root / "target.gguf", pre="smollm")
+    draft_gguf = write_llama_gguf(draft, root / "draft.gguf", pre="smollm")
     return build(BuildConfig(target=str(target_gguf), draft=str(draft_gguf), name="peers", engines_dir=root / "engines",
                              repo_dir=None))
 
