@@ -28,11 +28,11 @@ class PeerSpec:
     packages: tuple[str, ...]  # importable modules it needs
     what: str  # the engine, for notes
     distributions: tuple[str, ...]  # the installed distributions whose versions the results record
-    extra: str = "peers"  # the pyproject extra that installs it
+    extra: str = "peers"  # the pyproject extra that installs it ("": specpipe's own dependencies)
 
 
 PEERS: dict[str, PeerSpec] = {
-    "hf": PeerSpec("hf", ("transformers", "torch"), "transformers generate()", ("transformers", "torch"), extra="dev"),
+    "hf": PeerSpec("hf", ("transformers", "torch"), "transformers generate()", ("transformers", "torch"), extra=""),
     "openvino": PeerSpec("openvino", ("openvino_genai", "optimum.intel"), "OpenVINO GenAI (optimum-intel export)",
                          ("openvino-genai", "openvino", "optimum-intel")),
     "ortgenai": PeerSpec("ortgenai", ("onnxruntime_genai",), "onnxruntime-genai (its model builder)",
@@ -73,7 +73,9 @@ def missing_note(name: str) -> Optional[str]:
     missing = missing_packages(name)
     if not missing:
         return None
-    return f"{name}: not installed ({', '.join(missing)} missing; pip install 'specpipe[{PEERS[name].extra}]')"
+    extra = PEERS[name].extra
+    install = f"pip install 'specpipe[{extra}]'" if extra else "pip install specpipe"
+    return f"{name}: not installed ({', '.join(missing)} missing; {install})"
 
 
 def peer_versions(names: list[str]) -> dict[str, str]:
