@@ -130,6 +130,8 @@ def plot(results: dict, path: Path) -> Path:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
+        else:
+            ax.text(0.5, 0.5, "no speculative rows with a fixed K", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(f"specpipe bench {results['engine_dir']} ({results['settings']['max_new_tokens']} new tokens, greedy)")
     fig.tight_layout()
     path = Path(path)
