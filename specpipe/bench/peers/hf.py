@@ -57,14 +57,22 @@ class HFGenerate:
         if self.assistant is not None:
             self.assistant.generation_config = copy.deepcopy(self._assistant_config)
             extra["assistant_model"] = self.assistant
+        from transformers.utils import logging as hf_logging
+
         input_ids = torch.tensor([prompt_ids], dtype=torch.long)
         clock = _FirstTokenClock()
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its adaptive threshold logs every retune: noise under the progress bar
         start = time.perf_counter()
-        with torch.inference_mode():
-            output = self.target.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
-                eos_token_id=self.eos_token_ids, pad_token_id=(self.eos_token_ids or [0])[0], streamer=clock, **extra,
-            )
+        try:
+            with torch.inference_mode():
+                output = self.target.generate(
+                    input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                    do_sample=False, eos_token_id=self.eos_token_ids, pad_token_id=(self.eos_token_ids or [0])[0],
+                    streamer=clock, **extra,
+                )
+        finally:
+            hf_logging.set_verbosity(verbosity)
         total_ms = (time.perf_counter() - start) * 1e3
         new_ids = output[0, len(prompt_ids) :].tolist()
         ttft_ms = (clock.first_token_at - start) * 1e3 if clock.first_token_at else total_ms
