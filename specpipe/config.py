@@ -14,6 +14,9 @@ class Strict(BaseModel):
 
 
 BenchPromptSet = Literal["code", "chat", "grounded"]  # the packaged prompt sets (specpipe/bench/prompts)
+# The engines `bench --peer` can run beside specpipe's own (specpipe/bench/peers): transformers, OpenVINO GenAI,
+# onnxruntime-genai, llama.cpp (llama-cpp-python). All but hf come from the `peers` extra.
+PeerName = Literal["hf", "openvino", "ortgenai", "llamacpp"]
 
 # Intra-op threads of ONNX Runtime (and torch) wherever none are given: the README's measurements use 2.
 THREADS = 2
@@ -366,8 +369,8 @@ class DistillConfig(Strict):
 
 
 class BenchConfig(Strict):
-    """`specpipe bench`: target-only, speculative K=1..8 (and adaptive K), and transformers' assisted
-    generation on the same pair, prompts and settings, in one run."""
+    """`specpipe bench`: target-only, speculative K=1..8 (and adaptive K), and the peers (transformers,
+    OpenVINO GenAI, onnxruntime-genai, llama.cpp) on the same pair, prompts and settings, in one run."""
 
     engine_dir: Path
     prompts: list[Path] = Field(default_factory=list, description="JSONL prompt files ({\"prompt\": ...} per line)")
@@ -377,19 +380,32 @@ class BenchConfig(Strict):
     draft_lengths: list[int] = Field(default_factory=lambda: list(range(1, 9)), min_length=1,
                                      description="fixed K values to run")
     adaptive: bool = Field(True, description="also run the default adaptive draft length")
-    peer: bool = Field(True, description="also run transformers assisted generation on the torch checkpoints")
+    peers: list[PeerName] = Field(
+        default_factory=lambda: ["hf"],
+        description="other engines to run on the same pair, prompts and settings: hf, openvino, ortgenai, llamacpp",
+    )
+    peer_draft_lengths: Optional[list[int]] = Field(
+        None, description="fixed K values for the peers' draft-model rows (default: the -k values)"
+    )
     max_new_tokens: int = Field(128, ge=1)
-    threads: int = Field(THREADS, ge=1, description=THREADS_HELP + " and torch threads")
+    threads: int = Field(THREADS, ge=1, description="threads of every engine: ONNX Runtime intra-op, torch, and each peer's own")
     chat: bool = Field(True, description="apply the tokenizer's chat template to each prompt")
     max_prompts: Optional[int] = Field(None, ge=1, description="use only the first N prompts of each set")
     warmup_prompts: int = Field(1, ge=0, description="untimed runs per row before measuring")
 
-    @field_validator("draft_lengths")
+    @field_validator("draft_lengths", "peer_draft_lengths")
     @classmethod
-    def _positive_draft_lengths(cls, v: list[int]) -> list[int]:
+    def _positive_draft_lengths(cls, v: Optional[list[int]]) -> Optional[list[int]]:
+        if v is None:
+            return v
         if any(k < 1 for k in v):
             raise ValueError(f"K must be >= 1, got {sorted(v)}")
         return sorted(set(v))
+
+    @field_validator("peers")
+    @classmethod
+    def _unique_peers(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(v))
 
 
 class LoadConfig(Strict):

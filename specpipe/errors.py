@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 
+def last_line(text: str, limit: int = 300) -> str:
+    """The last non-empty line of a tool's output (where its error usually is), cut to `limit` characters,
+    for an error that must stay on one line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = lines[-1] if lines else "(no output)"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 class SpecpipeError(Exception):
     """Base class. `exit_code` is what the CLI exits with (2 = usage/setup, 1 = a check failed)."""
 

@@ -45,7 +45,8 @@ def test_bench_json_has_every_field(engines, capsys, tmp_path):
     assert [s["name"] for s in results["sets"]] == ["code", "chat"]
     for prompt_set in results["sets"]:
         labels = [row["label"] for row in prompt_set["rows"]]
-        assert labels == [BASELINE, "K=1", "K=2", "adaptive", "hf target-only", "hf assisted"]
+        assert labels == [BASELINE, "K=1", "K=2", "adaptive", "hf target-only", "hf K=1", "hf K=2", "hf assisted",
+                          "hf prompt-lookup"]
         for row in prompt_set["rows"]:
             for key in ("tokens_per_s", "ttft_ms", "acceptance_rate", "mean_accepted_len", "speedup", "ms_per_token",
                         "matches_target", "prompts"):

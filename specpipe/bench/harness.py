@@ -56,6 +56,8 @@ class Row(Protocol):
     label: str
     kind: str  # "target-only" | "speculative" | "peer"
     k: Optional[int]  # fixed draft length; None for target-only and adaptive rows
+    strategy: str  # what drafts: "target-only" | "draft-model" | "prompt-lookup" | "self-draft"
+    peer: Optional[str]  # None for specpipe's own rows; the peer's name (specpipe.bench.peers) otherwise
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> Measurement: ...
 
@@ -63,8 +65,12 @@ class Row(Protocol):
 class SpecRow:
     """One configuration of specpipe's own decoder (the same engines for every SpecRow of a deployment)."""
 
-    def __init__(self, label: str, generator: SpecGenerator, cfg: GenerationConfig, kind: str, k: Optional[int]):
+    peer = None
+
+    def __init__(self, label: str, generator: SpecGenerator, cfg: GenerationConfig, kind: str, k: Optional[int],
+                 strategy: str = "draft-model"):
         self.label, self.generator, self.cfg, self.kind, self.k = label, generator, cfg, kind, k
+        self.strategy = strategy if kind != "target-only" else "target-only"
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> Measurement:
         cfg = self.cfg.model_copy(update={"max_new_tokens": max_new_tokens})
@@ -78,17 +84,19 @@ class SpecRow:
 
 
 def spec_rows(generator: SpecGenerator, draft_lengths: list[int], adaptive: bool, label_prefix: str = "",
-              make_config: Callable[..., GenerationConfig] = GenerationConfig) -> list[SpecRow]:
+              make_config: Callable[..., GenerationConfig] = GenerationConfig,
+              strategy: str = "draft-model") -> list[SpecRow]:
     """Target-only, fixed K for each K, and the adaptive default, all on one generator. `make_config` is the
-    deployment's `generation_config`, so the adaptive row keeps K within the build's max_draft_len as served."""
+    deployment's `generation_config`, so the adaptive row keeps K within the build's max_draft_len as served.
+    `strategy` names what the generator's drafter is (a peer row is compared with the row of its strategy)."""
     greedy = dict(stop_on_eos=True)
     rows = [SpecRow(label_prefix + BASELINE, generator, make_config(speculative=False, **greedy), "target-only", None)]
     for k in draft_lengths:
         cfg = make_config(num_draft_tokens=k, draft_length="fixed", **greedy)
-        rows.append(SpecRow(f"{label_prefix}K={k}", generator, cfg, "speculative", k))
+        rows.append(SpecRow(f"{label_prefix}K={k}", generator, cfg, "speculative", k, strategy))
     if adaptive:
         cfg = make_config(draft_length="adaptive", **greedy)
-        rows.append(SpecRow(f"{label_prefix}adaptive", generator, cfg, "speculative", None))
+        rows.append(SpecRow(f"{label_prefix}adaptive", generator, cfg, "speculative", None, strategy))
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Show bench results: a rich table per prompt set, and a PNG plot of speedup and acceptance vs K."""
+"""Show bench results: a rich table per prompt set (specpipe's rows, then each peer's), and a PNG plot."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def _fmt(value: Optional[float], spec: str) -> str:
 def print_tables(results: dict, console=None) -> None:
     from rich import box
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = console or Console()
@@ -20,25 +21,44 @@ def print_tables(results: dict, console=None) -> None:
     for s in results["sets"]:
         table = Table(title=f"{s['name']}: {s['prompts']} prompts, {results['settings']['max_new_tokens']} new tokens, "
                             f"greedy, {results['settings']['threads']} threads", title_justify="left",
-                      box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
-        # Short headers so the table fits 80 columns; the JSON output has the full names.
+                      box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False, show_edge=False)
+        # Short headers so the table fits 80 columns; the JSON output has the full names. Each peer's rows follow
+        # a line naming it. speedup: vs the row's own engine alone; vs sp: vs specpipe's row of the same strategy
+        # and K; =target: prompts whose ids equal the row's own engine's target-only ids.
         table.add_column("row", no_wrap=True)
-        for column in ("tok/s", "speedup", "TTFT ms", "ms/tok", "accept", "acc.len", "draft%", "=target"):
+        for column in ("tok/s", "speedup", "vs sp", "TTFT ms", "ms/tok", "accept", "acc.len", "draft%", "=target"):
             table.add_column(column, justify="right", min_width=len(column))
+        named = any(row.get("peer") for row in s["rows"])  # name each engine above its rows when peers ran
+        engine = None if not named else ""
         for row in s["rows"]:
+            peer = row.get("peer")
+            if peer != engine:
+                engine = peer
+                table.add_section()
+                table.add_row(f"[bold]{escape(peer or 'specpipe')}[/] {escape(str(row.get('precision') or ''))}")
             best = s["best"] and row["k"] == s["best"]["k"] and row["kind"] == "speculative"
+            label = escape(row["label"].removeprefix(f"{peer} ") if peer else row["label"])
+            label = f" {label}" if named else label
+            speedup = row.get("own_speedup") if peer else row["speedup"]
+            matches = "-" if row["matches_target"] is None else f"{row['matches_target']}/{row['prompts']}"
             table.add_row(
-                f"[bold]{row['label']}[/]" if best else row["label"],
+                f"[bold]{label}[/]" if best else label,
                 _fmt(row["tokens_per_s"], ".1f"),
-                _fmt(row["speedup"], ".2f") + ("x" if row["speedup"] is not None else ""),
+                _fmt(speedup, ".2f") + ("x" if speedup is not None else ""),
+                _fmt(row.get("vs_specpipe"), ".2f") + ("x" if row.get("vs_specpipe") is not None else ""),
                 _fmt(row["ttft_ms"], ".0f"),
                 _fmt(row["ms_per_token"], ".1f"),
-                _fmt(row["acceptance_rate"], ".3f") if row["kind"] == "speculative" else "-",
-                _fmt(row["mean_accepted_len"], ".2f") if row["kind"] == "speculative" else "-",
+                _fmt(row["acceptance_rate"], ".3f") if row["strategy"] != "target-only" else "-",
+                _fmt(row["mean_accepted_len"], ".2f") if row["strategy"] != "target-only" else "-",
                 _fmt(row["draft_ms_share"] and 100 * row["draft_ms_share"], ".0f") + ("%" if row["draft_ms_share"] else ""),
-                "-" if row["matches_target"] is None else f"{row['matches_target']}/{row['prompts']}",
+                matches if not row.get("mismatches") else f"[red]{matches}[/]",
             )
         console.print(table)
+        for row in s["rows"]:
+            if row.get("mismatches"):
+                where = ", ".join(f"{m['prompt_id']} at token {m['first_difference_at']}" for m in row["mismatches"][:4])
+                console.print(f"[red]MISMATCH[/] {escape(row['label'])}: {len(row['mismatches'])}/{row['prompts']} prompts "
+                              f"differ from {escape(row['peer'])} target-only ({escape(where)})")
         ceiling = (s.get("copy_ceiling") or {}).get("tokens_per_call_median")
         if ceiling is not None:
             console.print(f"copy ceiling: the best possible prompt-lookup drafter emits {ceiling:.2f} tokens per target "
@@ -56,35 +76,62 @@ def print_tables(results: dict, console=None) -> None:
     if "draft_decode" in costs:
         line += f", draft decode {costs['draft_decode']:.2f} ms ({costs['draft_vs_target']:.3f}x the target)"
     console.print(line)
-    if results.get("peer_note"):
-        console.print(f"peer rows skipped: {results['peer_note']}")
+    for note in results.get("peer_notes") or []:
+        console.print(f"peer note: {escape(note)}")
+
+
+ENGINE_STYLE = {None: ("o", "-"), "hf": ("v", ":"), "openvino": ("s", "--"), "ortgenai": ("^", "-."),
+                "llamacpp": ("D", (0, (1, 3)))}  # (marker, line style) per engine; None is specpipe
 
 
 def plot(results: dict, path: Path) -> Path:
-    """Speedup and acceptance rate vs K per prompt set; adaptive and peer rows as horizontal lines."""
+    """Three panels per run: speedup vs K (tokens/s over specpipe's target-only) and acceptance vs K, a line per
+    engine and prompt set, specpipe's adaptive row dashed; then tokens/s of each engine alone and at its best."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_speed, ax_accept) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_speed, ax_accept, ax_engines) = plt.subplots(1, 3, figsize=(16, 4.6))
+    bars: list[tuple[str, float, float]] = []
     for index, s in enumerate(results["sets"]):
         color = f"C{index}"
-        fixed = sorted((r for r in s["rows"] if r["kind"] == "speculative" and r["k"] is not None), key=lambda r: r["k"])
-        ks = [r["k"] for r in fixed]
-        ax_speed.plot(ks, [r["speedup"] for r in fixed], "o-", color=color, label=f"{s['name']}: fixed K")
-        ax_accept.plot(ks, [r["acceptance_rate"] for r in fixed], "o-", color=color, label=f"{s['name']}: fixed K")
-        for r, style in ((_row(s, "adaptive"), "--"), (_row(s, "hf assisted"), ":")):
-            if r and r["speedup"] is not None:
-                ax_speed.axhline(r["speedup"], linestyle=style, color=color, label=f"{s['name']}: {r['label']}")
-            if r and r["acceptance_rate"] is not None:
-                ax_accept.axhline(r["acceptance_rate"], linestyle=style, color=color, label=f"{s['name']}: {r['label']}")
+        for engine in dict.fromkeys(r.get("peer") for r in s["rows"]):
+            marker, style = ENGINE_STYLE.get(engine, ("x", ":"))
+            name = f"{s['name']}: {engine or 'specpipe'}"
+            fixed = sorted((r for r in s["rows"] if r.get("peer") == engine and r["strategy"] != "target-only"
+                            and r["k"] is not None), key=lambda r: r["k"])
+            if fixed:
+                ks = [r["k"] for r in fixed]
+                ax_speed.plot(ks, [r["speedup"] for r in fixed], marker=marker, linestyle=style, color=color,
+                              label=f"{name} fixed K")
+                ax_accept.plot(ks, [r["acceptance_rate"] for r in fixed], marker=marker, linestyle=style, color=color,
+                               label=f"{name} fixed K")
+            mine = [r for r in s["rows"] if r.get("peer") == engine]
+            alone = next((r for r in mine if r["strategy"] == "target-only"), None)
+            spec = max((r for r in mine if r["strategy"] != "target-only"), key=lambda r: r["tokens_per_s"], default=None)
+            bars.append((name, alone["tokens_per_s"] if alone else 0.0, spec["tokens_per_s"] if spec else 0.0))
+        adaptive = _row(s, "adaptive")
+        if adaptive and adaptive["speedup"] is not None:
+            ax_speed.axhline(adaptive["speedup"], linestyle="--", color=color, label=f"{s['name']}: specpipe adaptive")
+        if adaptive and adaptive["acceptance_rate"] is not None:
+            ax_accept.axhline(adaptive["acceptance_rate"], linestyle="--", color=color,
+                              label=f"{s['name']}: specpipe adaptive")
     ax_speed.axhline(1.0, color="grey", linewidth=0.8)
-    ax_speed.set(xlabel="K (tokens drafted per step)", ylabel="speedup vs target-only (tokens/s)", title="Speedup")
+    ax_speed.set(xlabel="K (tokens drafted per step)", ylabel="tokens/s / specpipe target-only", title="Speedup")
     ax_accept.set(xlabel="K (tokens drafted per step)", ylabel="accepted / drafted", title="Acceptance rate", ylim=(0, 1))
-    for ax in (ax_speed, ax_accept):
+    positions = range(len(bars))
+    ax_engines.barh([p + 0.2 for p in positions], [b[1] for b in bars], height=0.4, label="target alone")
+    ax_engines.barh([p - 0.2 for p in positions], [b[2] for b in bars], height=0.4, label="best speculative row")
+    ax_engines.set_yticks(list(positions), [b[0] for b in bars], fontsize=7)
+    ax_engines.invert_yaxis()
+    ax_engines.set(xlabel="tokens/s (median over prompts)", title="Engines")
+    for ax in (ax_speed, ax_accept, ax_engines):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+        else:
+            ax.text(0.5, 0.5, "no speculative rows with a fixed K", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(f"specpipe bench {results['engine_dir']} ({results['settings']['max_new_tokens']} new tokens, greedy)")
     fig.tight_layout()
     path = Path(path)

@@ -9,6 +9,8 @@ from typing import Callable, Optional
 
 from specpipe.bench.harness import BASELINE, measurement_dict, run_rows, spec_rows, summarize
 from specpipe.bench.limits import floor_ms_per_token, measure_bandwidth, weight_bytes
+from specpipe.bench.peers.common import PRECISION_OF_QUANT
+from specpipe.bench.peers.compare import add_vs_specpipe, check_against_own, own_baseline_label, peer_best
 from specpipe.bench.prompts import load_prompt_sets
 from specpipe.config import BenchConfig
 from specpipe.engines.timing import step_ms
@@ -16,6 +18,8 @@ from specpipe.errors import UsageError
 from specpipe.speculative.ngram import copy_ceiling
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
+# The deployment's draft kind (manifest "draft.kind") -> what its speculative rows draft with.
+STRATEGY_OF_DRAFT = {"model": "draft-model", "ngram": "prompt-lookup", "self": "self-draft"}
 
 
 def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
@@ -36,14 +40,16 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
         raise UsageError(f"-k {too_long}: this deployment was built for K <= {deployment.max_draft_len}")
 
     generator = deployment.generator
+    strategy = STRATEGY_OF_DRAFT.get(deployment.manifest.draft.kind, "draft-model")
     rows = spec_rows(generator, cfg.draft_lengths if deployment.drafter is not None else [],
-                     cfg.adaptive and deployment.drafter is not None, make_config=deployment.generation_config)
-    peer_note = None
-    if cfg.peer:
-        from specpipe.bench.peer import peer_rows
+                     cfg.adaptive and deployment.drafter is not None, make_config=deployment.generation_config,
+                     strategy=strategy)
+    from specpipe.bench.peers import peer_rows, peer_versions
 
-        extra, peer_note = peer_rows(deployment.manifest, cfg.threads)
-        rows += extra
+    extra, peer_notes = peer_rows(list(cfg.peers), deployment.manifest.as_dict(), cfg.threads,
+                                  cfg.peer_draft_lengths or cfg.draft_lengths,
+                                  say=lambda text: say(text, 0, None))
+    rows += extra
 
     encoded = [(s.name, [(p.id, generator.encode(p.prompt, chat=cfg.chat)) for p in s.prompts]) for s in prompt_sets]
     total = sum(len(rows) * len(prompts) for _, prompts in encoded) + len(rows) * cfg.warmup_prompts
@@ -54,19 +60,21 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
         done += 1
         say(f"{label} · {prompt_id}", done, total)
 
+    precision = PRECISION_OF_QUANT.get(deployment.manifest.target.engine.quant)
     started = time.perf_counter()
     warmup = [encoded[0][1][i % len(encoded[0][1])][1] for i in range(cfg.warmup_prompts)]
     sets = []
     for index, (name, prompts) in enumerate(encoded):
         results = run_rows(rows, prompts, max_new_tokens=cfg.max_new_tokens, warmup=warmup if index == 0 else [],
                            on_run=on_run)
+        table = _table(rows, results, precision)
         baseline = results[BASELINE]
-        table = [summarize(row.label, row.kind, row.k, results[row.label], baseline) for row in rows]
         sets.append({
             "name": name,
             "prompts": len(prompts),
             "rows": table,
             "best": _best(table),
+            "peer_best": peer_best(table),
             "copy_ceiling": _copy_ceiling(prompts, baseline),
             "per_prompt": {label: [measurement_dict(m) for m in runs] for label, runs in results.items()},
         })
@@ -81,15 +89,33 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
         "physical_limit": _physical_limit(deployment, sets),
         "step_costs_ms": _step_costs(deployment),
         "adaptive_costs": deployment.costs.as_dict(),  # what adaptive K assumed: the build's measurement
-        "peer_note": peer_note,
+        "peer_notes": peer_notes,
+        "peer_versions": peer_versions(list(cfg.peers)),
         "sets": sets,
         "wall_s": time.perf_counter() - started,
     }
 
 
+def _table(rows: list, results: dict, own_precision: Optional[str]) -> list[dict]:
+    """Every row summarized against specpipe's target-only; a peer row also against its own target-only,
+    and beside specpipe's row of the same strategy and K (specpipe.bench.peers.compare)."""
+    table = []
+    for row in rows:
+        peer = getattr(row, "peer", None)
+        summary = summarize(row.label, row.kind, row.k, results[row.label], results[BASELINE])
+        summary.update(peer=peer, strategy=getattr(row, "strategy", "target-only"),
+                       precision=getattr(row, "precision", own_precision), settings=getattr(row, "settings", None) or None)
+        if peer is not None:  # matches_target becomes "vs its own target-only"; keep the cross-engine count too
+            summary["matches_specpipe_target"] = summary["matches_target"]
+            check_against_own(summary, results[row.label], results.get(own_baseline_label(peer)))
+        table.append(summary)
+    return add_vs_specpipe(table)
+
+
 def _best(table: list[dict]) -> Optional[dict]:
-    """The fixed-K row with the highest speedup."""
-    fixed = [row for row in table if row["kind"] == "speculative" and row["k"] is not None and row["speedup"]]
+    """specpipe's fixed-K row with the highest speedup."""
+    fixed = [row for row in table if row["kind"] == "speculative" and row["k"] is not None and row["speedup"]
+             and row.get("peer") is None]
     if not fixed:
         return None
     row = max(fixed, key=lambda r: r["speedup"])

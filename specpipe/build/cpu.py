@@ -6,6 +6,7 @@ failed build leaves no half-written engines/<name>.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ from specpipe.engines import load_engine
 from specpipe.engines.onnxruntime import TARGET_MIN_ROWS, optimize_for_cpu, write_engine_meta
 from specpipe.engines.shared_kv import KV_LAYOUT
 from specpipe.errors import ExportError, OutputExistsError, UsageError
-from specpipe.export.genai_builder import builder_available, run_model_builder
+from specpipe.export.ortgenai_builder import run_model_builder
 from specpipe.export.onnx import check_export, export_onnx
 from specpipe.machine import describe_machine
 from specpipe.manifest import (
@@ -270,7 +271,11 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
     graph = target_graph(cfg, info) if role == "target" else "optimum"
     if graph == "genai":
         say(f"exporting {role} to ONNX (onnxruntime-genai's model builder: shared KV buffer, {info.num_layers} layers)")
-        run_model_builder(ckpt.path, out, precision="fp32")
+        with tempfile.TemporaryDirectory(prefix="specpipe-export-") as raw:
+            run_model_builder(ckpt.path, Path(raw) / "out", "fp32", Path(raw) / "cache")
+            out.mkdir(parents=True, exist_ok=True)
+            for name in ("model.onnx", "model.onnx.data"):  # the runtime's genai_config.json is not ours to keep
+                shutil.move(str(Path(raw) / "out" / name), out / name)
         timings[f"{role}_export_s"] = time.perf_counter() - t0
     else:
         say(f"exporting {role} to ONNX (optimum, {info.num_layers} layers)")
@@ -351,7 +356,7 @@ def target_graph(cfg: BuildConfig, info) -> str:
         raise UsageError(f"--target-graph genai takes a {'/'.join(GENAI_MODEL_TYPES)} target, --quant "
                          f"{'/'.join(GENAI_QUANT_MODES)} and no self: draft (this one: {info.model_type}, quant "
                          f"{cfg.quant.mode})")
-    if not builder_available():
+    if importlib.util.find_spec("onnxruntime_genai") is None:
         if cfg.backend.target_graph == "genai":
             raise UsageError("--target-graph genai needs onnxruntime-genai (pip install onnxruntime-genai)")
         return "optimum"

@@ -14,7 +14,7 @@ _DEFAULT_K = field_default(BenchConfig, "draft_lengths")
 _DRAFT_LENGTHS = f"{min(_DEFAULT_K)}..{max(_DEFAULT_K)}"  # BenchConfig's default, as -k writes it
 
 
-def parse_draft_lengths(text: str) -> list[int]:
+def parse_draft_lengths(text: str, option: str = "-k") -> list[int]:
     """"1..8" -> [1..8]; "1,2,4" -> [1, 2, 4]."""
     try:
         if ".." in text:
@@ -22,7 +22,7 @@ def parse_draft_lengths(text: str) -> list[int]:
             return list(range(low, high + 1))
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise UsageError(f"-k {text!r}: expected a range like 1..8 or a list like 1,2,4") from None
+        raise UsageError(f"{option} {text!r}: expected a range like 1..8 or a list like 1,2,4") from None
 
 
 @click.command()
@@ -33,7 +33,13 @@ def parse_draft_lengths(text: str) -> list[int]:
               help="Packaged prompt set (repeatable). Default: code and chat, unless --prompts is given.")
 @click.option("-k", "--draft-lengths", default=_DRAFT_LENGTHS, show_default=True, help="Fixed K values: a range 1..8 or a list 1,2,4.")
 @click.option("--no-adaptive", is_flag=True, help="Skip the adaptive-K row.")
-@click.option("--no-peer", is_flag=True, help="Skip transformers' assisted generation rows.")
+@click.option("--peer", "peer_names", default=",".join(field_default(BenchConfig, "peers")), show_default=True,
+              help="Peers to run beside specpipe: a list of hf, openvino, ortgenai, llamacpp, or all / none. "
+                   "openvino and ortgenai need `pip install 'specpipe[peers]'`, llamacpp 'specpipe[peers-llamacpp]'; "
+                   "a missing one is a note, not a failure.")
+@click.option("--peer-k", "peer_draft_lengths", default=None,
+              help="Fixed K values for the peers' draft-model rows, like -k. Default: the -k values.")
+@click.option("--no-peer", is_flag=True, help="Skip every peer (same as --peer none).")
 @click.option("--max-new-tokens", type=int, default=field_default(BenchConfig, "max_new_tokens"), show_default=True)
 @click.option("--threads", type=int, default=field_default(BenchConfig, "threads"), show_default=True,
               help=field_help(BenchConfig, "threads"))
@@ -43,20 +49,23 @@ def parse_draft_lengths(text: str) -> list[int]:
 @click.option("--no-chat", is_flag=True, help="Send prompts as plain text, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help="Also write the JSON results to this file.")
-@click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write a PNG of speedup and acceptance vs K.")
-def bench(engine_dir, prompt_files, prompt_sets, draft_lengths, no_adaptive, no_peer, max_new_tokens, threads,
-          max_prompts, warmup_prompts, no_chat, as_json, json_out, plot) -> None:
-    """Benchmark ENGINE_DIR (engines/NAME): target-only, speculative K=1..8 and adaptive, and transformers'
-    assisted generation, on the same prompts in one run; tokens/s, TTFT, acceptance, speedup."""
+@click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write a PNG: speedup and acceptance vs K, tokens/s per engine.")
+def bench(engine_dir, prompt_files, prompt_sets, draft_lengths, no_adaptive, peer_names, peer_draft_lengths, no_peer,
+          max_new_tokens, threads, max_prompts, warmup_prompts, no_chat, as_json, json_out, plot) -> None:
+    """Benchmark ENGINE_DIR (engines/NAME): target-only, speculative K=1..8 and adaptive, and the peers (other
+    engines on the same pair), on the same prompts in one run; tokens/s, TTFT, acceptance, speedup."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specpipe.bench import run_bench
+    from specpipe.bench.peers import parse_peers
     from specpipe.bench.report import plot as write_plot
     from specpipe.bench.report import print_tables
 
     cfg = make_config(BenchConfig, engine_dir=engine_dir, prompts=list(prompt_files), prompt_sets=list(prompt_sets),
-                      draft_lengths=parse_draft_lengths(draft_lengths), adaptive=not no_adaptive, peer=not no_peer,
+                      draft_lengths=parse_draft_lengths(draft_lengths), adaptive=not no_adaptive,
+                      peers=[] if no_peer else parse_peers(peer_names),
+                      peer_draft_lengths=parse_draft_lengths(peer_draft_lengths, "--peer-k") if peer_draft_lengths else None,
                       max_new_tokens=max_new_tokens, threads=threads, chat=not no_chat, max_prompts=max_prompts,
                       warmup_prompts=warmup_prompts)
     console = Console(stderr=True)

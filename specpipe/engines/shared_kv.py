@@ -1,6 +1,6 @@
 """ONNX Runtime engine for graphs with GroupQueryAttention over a shared KV buffer.
 
-onnxruntime-genai's model builder (export/genai_builder.py) emits this graph for Llama-family models: inputs
+onnxruntime-genai's model builder (export/ortgenai_builder.py) emits this graph for Llama-family models: inputs
 input_ids [batch, n] and attention_mask [batch, total]; past_key_values.{i}.key/value [batch, kv_heads,
 capacity, head_dim] and present.{i}.* bound to the same memory, so a step writes only its new keys and values
 in place. GroupQueryAttention reads each row's length from its mask (seqlens_k = sum(mask) - 1) and applies

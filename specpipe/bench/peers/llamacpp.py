@@ -1,0 +1,189 @@
+"""The llamacpp peer: llama.cpp through llama-cpp-python's `Llama.generate`, on GGUF files.
+
+Models: at fp32 (int8), each checkpoint converted by llama.cpp's own `convert_hf_to_gguf.py --outtype f32`
+(`q8_0`), taken from the llama-cpp-python sdist of the installed version (pip download, cached), so the
+weights are the ones specpipe runs; a checkpoint that specpipe itself converted from an f32 GGUF runs
+that GGUF. When the converter cannot take a checkpoint (an unknown BPE pre-tokenizer), the GGUF the
+checkpoint came from runs instead, at its own precision, and a note says so.
+
+Rows: target alone; prompt lookup (`LlamaPromptLookupDecoding`, the binding's own drafter); and the
+draft model at a fixed K through the binding's drafter interface (`LlamaDraftModel`), filled by a
+second `Llama` on the draft GGUF drafting greedily: llama-cpp-python ships the interface but no
+draft-model drafter of its own. llama.cpp reports no acceptance counts here.
+"""
+
+from __future__ import annotations
+
+import tarfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from specpipe.bench.harness import Measurement
+from specpipe.bench.peers.common import PeerPair, PeerRow, cached_conversion, package_version, run_tool
+from specpipe.errors import ExportError
+
+N_CTX = 2048  # prompts + 128 new tokens + a draft fit; a smaller KV cache than the model's 8192 costs nothing here
+# llama-cpp-python's own defaults for its prompt-lookup drafter.
+PROMPT_LOOKUP = {"max_ngram_size": 2, "num_pred_tokens": 10}
+OUTTYPE = {"fp32": "f32", "int8": "q8_0"}  # convert_hf_to_gguf.py --outtype per precision
+GGUF_F32 = 0  # gguf's LlamaFileType.ALL_F32
+
+
+def converter_dir() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py with its `conversion` and `gguf-py` packages, from the sdist of the
+    installed llama-cpp-python (its wheel ships the binding only), cached."""
+    from specpipe.checkpoint.cache import atomic_dir, cache_dir
+
+    version = package_version("llama-cpp-python")
+    final = cache_dir() / "peers" / "llamacpp-convert" / version
+    if (final / "convert_hf_to_gguf.py").is_file():
+        return final
+    with atomic_dir(final) as tmp:
+        run_tool(["-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
+                  "-d", str(tmp / "sdist"), f"llama-cpp-python=={version}"],
+                 f"pip download of the llama-cpp-python {version} sdist (for llama.cpp's convert_hf_to_gguf.py)")
+        archives = sorted((tmp / "sdist").glob("llama_cpp_python-*.tar.gz"))
+        if not archives:
+            raise ExportError(f"pip downloaded no llama-cpp-python {version} sdist")
+        with tarfile.open(archives[0]) as archive:
+            wanted = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/", "vendor/llama.cpp/gguf-py/")
+            for member in archive.getmembers():
+                inner = member.name.split("/", 1)[-1]
+                if (member.isfile() and any(inner == w or (w.endswith("/") and inner.startswith(w)) for w in wanted)):
+                    member.name = inner[len("vendor/llama.cpp/"):]
+                    archive.extract(member, tmp, filter="data")
+        for path in (tmp / "sdist",):
+            for item in path.iterdir():
+                item.unlink()
+            path.rmdir()
+    return final
+
+
+def gguf_for(checkpoint_dir: Path, source_gguf: Optional[Path], precision: str) -> tuple[Path, Optional[str]]:
+    """A GGUF of the checkpoint at `precision`, and a note when it had to be another precision."""
+    if source_gguf is not None and _file_type(source_gguf) == GGUF_F32 and precision == "fp32":
+        return source_gguf, None
+    if precision in OUTTYPE:
+        try:
+            return _converted(checkpoint_dir, precision), None
+        except ExportError as err:
+            if source_gguf is None:
+                raise
+            why = str(err)
+    else:
+        why = f"llama.cpp's converter writes no {precision}"
+        if source_gguf is None:
+            raise ExportError(f"{why}, and {checkpoint_dir} came from no GGUF")
+    return source_gguf, f"runs {source_gguf.name} (its own precision), not {precision}: {why}"
+
+
+def _converted(checkpoint_dir: Path, precision: str) -> Path:
+    tools = converter_dir()
+    tool = f"llama.cpp convert_hf_to_gguf.py of llama-cpp-python {package_version('llama-cpp-python')}"
+
+    def convert(out: Path) -> None:
+        import os
+
+        env_path = os.pathsep.join([str(tools / "gguf-py"), str(tools)])
+        run_tool(["-c", "import sys, runpy; sys.path[:0] = sys.argv[1].split(sys.argv[2]); sys.argv = sys.argv[3:]; "
+                  "runpy.run_path(sys.argv[0], run_name='__main__')", env_path, os.pathsep,
+                  str(tools / "convert_hf_to_gguf.py"), str(checkpoint_dir), "--outtype", OUTTYPE[precision],
+                  "--outfile", str(out / "model.gguf")],
+                 f"llama.cpp's convert_hf_to_gguf.py on {checkpoint_dir}")
+
+    return cached_conversion("llamacpp", checkpoint_dir, precision, tool, convert) / "model.gguf"
+
+
+def _file_type(path: Path) -> Optional[int]:
+    try:
+        import gguf
+
+        field = gguf.GGUFReader(str(path)).fields.get("general.file_type")
+        return int(field.parts[field.data[0]][0]) if field is not None else None
+    except Exception:
+        return None
+
+
+def load(gguf: Path, threads: int, draft_model=None):
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(gguf), n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, verbose=False,
+                 draft_model=draft_model)
+
+
+class LlamaGenerate:
+    def __init__(self, llm, eos_token_ids: list[int], drafter=None, k: Optional[int] = None):
+        self.llm, self.eos_token_ids, self.drafter, self.k = llm, eos_token_ids, drafter, k
+
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> Measurement:
+        if self.drafter is not None:
+            self.drafter.k = self.k  # the K rows share one target Llama and one drafter
+            self.drafter.llm.reset()
+        # No KV reuse across prompts (generate() would keep the shared chat-template prefix): the other engines'
+        # rows prefill every prompt from scratch, and so TTFT compares like with like.
+        self.llm.reset()
+        ids: list[int] = []
+        start = time.perf_counter()
+        first_token_at = None
+        # temp 0: llama.cpp's greedy sampler; no repetition penalty, so the argmax alone decides.
+        for token in self.llm.generate(prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                       reset=True):
+            first_token_at = first_token_at or time.perf_counter()
+            ids.append(int(token))
+            if token in self.eos_token_ids or len(ids) >= max_new_tokens:
+                break
+        total_ms = (time.perf_counter() - start) * 1e3
+        ttft_ms = ((first_token_at or time.perf_counter()) - start) * 1e3
+        return Measurement(prompt_id="", num_generated=len(ids), total_ms=total_ms, ttft_ms=ttft_ms, token_ids=ids)
+
+
+def draft_model_drafter(draft_llm):
+    """llama-cpp-python's `LlamaDraftModel` interface over a second Llama: `k` greedy draft tokens per call.
+
+    The draft Llama keeps its KV cache across calls: `generate(reset=True)` reuses the longest common
+    prefix of its evaluated tokens, so each call evaluates only the tokens the target accepted since."""
+    import numpy as np
+    from llama_cpp.llama_speculative import LlamaDraftModel
+
+    class DraftLlama(LlamaDraftModel):
+        k = 1
+        llm = draft_llm
+
+        def __call__(self, input_ids, /, **kwargs):
+            drafted = []
+            for token in draft_llm.generate(list(map(int, input_ids)), temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                                            repeat_penalty=1.0, reset=True):
+                drafted.append(int(token))
+                if len(drafted) >= self.k:
+                    break
+            return np.array(drafted, dtype=np.intc)
+
+    return DraftLlama()
+
+
+def rows(pair: PeerPair) -> tuple[list[PeerRow], list[str]]:
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    eos, notes = list(pair.eos_token_ids), []
+    target_gguf, note = gguf_for(pair.target_dir, pair.target_gguf, pair.precision)
+    notes += [f"target {note}"] if note else []
+    precision = pair.precision if note is None else target_gguf.name
+    out = [PeerRow("llamacpp target-only", "llamacpp", "target-only", None, precision,
+                   LlamaGenerate(load(target_gguf, pair.threads), eos))]
+    if pair.draft_dir is not None:
+        try:
+            draft_gguf, note = gguf_for(pair.draft_dir, pair.draft_gguf, pair.precision)
+        except ExportError as err:
+            notes.append(f"draft-model rows skipped: {err}")
+        else:
+            notes += [f"draft {note}"] if note else []
+            drafter = draft_model_drafter(load(draft_gguf, pair.threads))
+            speculative = load(target_gguf, pair.threads, drafter)
+            for k in pair.draft_lengths:
+                out.append(PeerRow(f"llamacpp K={k}", "llamacpp", "draft-model", k, precision,
+                                   LlamaGenerate(speculative, eos, drafter, k)))
+    lookup = load(target_gguf, pair.threads, LlamaPromptLookupDecoding(**PROMPT_LOOKUP))
+    out.append(PeerRow("llamacpp prompt-lookup", "llamacpp", "prompt-lookup", None, precision,
+                       LlamaGenerate(lookup, eos), PROMPT_LOOKUP))
+    return out, notes

@@ -1,0 +1,110 @@
+"""Run onnxruntime-genai's model builder on a Hugging Face checkpoint, under specpipe's transformers 4.57.
+
+The builder (`python -m onnxruntime_genai.models.builder`, onnxruntime-genai 0.18) writes a decoder
+graph with GroupQueryAttention over a shared past/present KV buffer and, for int4, MatMulNBits from
+the fp32 weights, plus the `genai_config.json` its runtime reads. Two things stop it on the
+transformers that specpipe pins (4.57.x: optimum-onnx 0.1.0 needs < 4.58, and transformers 5 cannot
+save GGUF-loaded checkpoints):
+
+- its builder modules import model classes that exist only in transformers 5 (`_TRANSFORMERS_5_NAMES`);
+  none of them is used for a Llama-family model, so a placeholder class under each name lets the
+  imports pass;
+- it reads RoPE settings the transformers-5 way, from `config.rope_scaling` with a `rope_type` and a
+  `rope_theta`; a 4.57 checkpoint keeps `rope_theta` at the top level and `rope_scaling` null. The
+  builder gets a view of the checkpoint (symlinks) whose config.json carries both.
+
+Checked with transformers 4.57.6, onnxruntime-genai 0.18.0 and onnxruntime 1.32.0 (SmolLM2-135M:
+fp32 in ~8 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Literal, Optional
+
+from specpipe.errors import ExportError, last_line
+
+Precision = Literal["fp32", "int8", "int4"]
+
+# Imported by onnxruntime_genai.models.builders.* at module level; only in transformers >= 5.
+_TRANSFORMERS_5_NAMES = (
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Lfm2VlForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+)
+BUILDER_MODULE = "onnxruntime_genai.models.builder"
+
+
+def run_model_builder(checkpoint_dir: Path, out_dir: Path, precision: Precision, cache_dir: Path, *,
+                      extra_options: Optional[dict[str, str]] = None, timeout_s: float = 1800) -> Path:
+    """Build `checkpoint_dir` into `out_dir` (model.onnx, model.onnx.data, genai_config.json, tokenizer files)
+    for the CPU execution provider at `precision`. Raises ExportError in one line on any failure."""
+    checkpoint_dir, out_dir, cache_dir = Path(checkpoint_dir), Path(out_dir), Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ortgenai-input-", dir=cache_dir) as view:
+        _checkpoint_view(checkpoint_dir, Path(view))
+        argv = ["-i", view, "-o", str(out_dir), "-p", precision, "-e", "cpu", "-c", str(cache_dir)]
+        if extra_options:
+            argv += ["--extra_options", *(f"{key}={value}" for key, value in extra_options.items())]
+        try:
+            done = subprocess.run([sys.executable, "-m", __name__, *argv], capture_output=True, text=True,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise ExportError(f"onnxruntime-genai's model builder ran past {timeout_s:.0f} s on {checkpoint_dir}") from None
+    if done.returncode != 0:
+        raise ExportError(f"onnxruntime-genai's model builder failed on {checkpoint_dir} ({precision}): "
+                          f"{last_line(done.stderr or done.stdout)}")
+    if not (out_dir / "genai_config.json").is_file() or not (out_dir / "model.onnx").is_file():
+        raise ExportError(f"onnxruntime-genai's model builder wrote no model.onnx/genai_config.json into {out_dir}")
+    return out_dir
+
+
+def _checkpoint_view(checkpoint_dir: Path, view: Path) -> None:
+    """Symlink every file of the checkpoint into `view`, except config.json, written with rope_scaling filled in."""
+    for item in checkpoint_dir.iterdir():
+        if item.name != "config.json":
+            (view / item.name).symlink_to(item.resolve())
+    try:
+        config = json.loads((checkpoint_dir / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ExportError(f"{checkpoint_dir}/config.json cannot be read: {err}") from None
+    if not config.get("rope_scaling"):
+        config["rope_scaling"] = {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
+    (view / "config.json").write_text(json.dumps(config, indent=1))
+
+
+def _install_placeholders() -> None:
+    """Give transformers a placeholder for each transformers-5 class the builder imports but never uses here."""
+    import transformers
+
+    missing = []
+    for name in _TRANSFORMERS_5_NAMES:
+        try:
+            getattr(transformers, name)
+        except (ImportError, AttributeError):
+            missing.append(name)
+    # transformers' lazy module may have been replaced in sys.modules while the names above were tried:
+    # set the placeholders on whatever module `from transformers import X` will now read.
+    module = sys.modules["transformers"]
+    for name in missing:
+        module.__dict__[name] = type(name, (), {"__doc__": "placeholder: a transformers 5 class"})
+
+
+def _main(argv: list[str]) -> None:
+    import runpy
+
+    _install_placeholders()
+    sys.argv = [BUILDER_MODULE, *argv]
+    runpy.run_module(BUILDER_MODULE, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
