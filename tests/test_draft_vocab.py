@@ -64,11 +64,11 @@ def test_a_draft_without_ranking_keeps_its_vocabulary_unless_asked(tmp_path):
 
 
 def test_sliced_engine_scores_exactly_the_kept_columns(sliced_build):
-    from specpipe.engines.onnxruntime import OrtEngine
+    from specpipe.engines import load_engine
 
     manifest = json.loads((sliced_build / "manifest.json").read_text())
     assert manifest["draft"]["vocab"]["size"] == KEEP and 0 < manifest["draft"]["vocab"]["coverage"] < 1
-    draft, target = OrtEngine(sliced_build / "draft"), OrtEngine(sliced_build / "target")
+    draft, target = load_engine(sliced_build / "draft"), load_engine(sliced_build / "target")
     ids = draft.token_ids
     assert draft.vocab_size == len(ids) == KEEP and list(ids) == sorted(set(ids.tolist()))
     assert set(manifest["eos_token_ids"]) <= set(ids.tolist())

@@ -94,7 +94,8 @@ def test_served_config_round_trips_through_text_format(tmp_path):
     assert parsed.max_batch_size == 1  # clients send [1, 1] per scalar, as to TensorRT-LLM
     assert [(g.count, mc.ModelInstanceGroup.Kind.Name(g.kind)) for g in parsed.instance_group] == [(3, "KIND_CPU")]
     assert {k: v.string_value for k, v in parsed.parameters.items()} == {
-        "engine_dir": "engine", "engine_threads": "1", "exclude_input_in_output": "true", "protocol": "tensorrtllm_backend"
+        "engine_dir": "engine", "engine_threads": "1", "exclude_input_in_output": "true", "max_batch_size": "0",
+        "max_queue": "-1", "protocol": "tensorrtllm_backend"
     }
     assert ModelParameters.from_triton(json.loads(_as_json(parsed))) == ModelParameters(engine_threads=1)
 

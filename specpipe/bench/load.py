@@ -189,8 +189,23 @@ def _served_model(repo: Path, model_name: str) -> dict:
     instances = sum(group.count for group in config.instance_group) or 1
     raw = {key: value.string_value for key, value in config.parameters.items()}
     parameters = ModelParameters(**{key: value for key, value in raw.items() if key in ModelParameters.model_fields})
-    return {"instances": instances, "max_batch_size": config.max_batch_size,
+    return {"instances": instances, "requests_batched": _requests_batched(model_dir, parameters),
             "threads_per_instance": parameters.threads_per_instance(instances, os.cpu_count())}
+
+
+def _requests_batched(model_dir: Path, parameters) -> int:
+    """Requests one instance decodes together: the model's max_batch_size parameter, else its build's
+    (manifest `serving`; 1 for builds made before continuous batching). config.pbtxt's own max_batch_size is
+    the request tensors' batch dimension, not this."""
+    from specpipe.manifest import read_manifest
+
+    if parameters.max_batch_size:
+        return parameters.max_batch_size
+    engine_dir = model_dir / "1" / parameters.engine_dir
+    try:
+        return read_manifest(engine_dir).serving.max_batch_size
+    except Exception:  # not a specpipe deployment (another server's model): unknown
+        return 0
 
 
 # ---- reports --------------------------------------------------------------------------------------

@@ -75,6 +75,8 @@ def print_tables(results: dict, console=None) -> None:
            f"{costs['target_verify_k4']:.1f} ms ({costs['verify_k4_vs_decode']:.2f}x)"
     if "draft_decode" in costs:
         line += f", draft decode {costs['draft_decode']:.2f} ms ({costs['draft_vs_target']:.3f}x the target)"
+    if "target_batch16_decode" in costs:
+        line += f"; 16 requests' decode in one call {costs['target_batch16_decode']:.1f} ms"
     console.print(line)
     for note in results.get("peer_notes") or []:
         console.print(f"peer note: {escape(note)}")

@@ -14,6 +14,7 @@ from specpipe.bench.peers.compare import add_vs_specpipe, check_against_own, own
 from specpipe.bench.prompts import load_prompt_sets
 from specpipe.config import BenchConfig
 from specpipe.engines.timing import step_ms
+from specpipe.speculative.adaptive import measure_batch_costs
 from specpipe.errors import UsageError
 from specpipe.speculative.ngram import copy_ceiling
 
@@ -151,11 +152,15 @@ def _physical_limit(deployment, sets: list[dict]) -> dict:
 
 
 def _step_costs(deployment) -> dict:
-    """Engine calls timed alone: a target decode step, a K=4 verify, a draft decode step (64-token cache)."""
+    """Engine calls timed alone: a target decode step, a K=4 verify, a draft decode step, 16 requests' decode
+    steps in one batched call (64-token cache)."""
     out = {"target_decode": step_ms(deployment.target, 1), "target_verify_k4": step_ms(deployment.target, 5)}
     engine = getattr(deployment.drafter, "engine", None)
     if engine is not None:
         out["draft_decode"] = step_ms(engine, 1)
         out["draft_vs_target"] = out["draft_decode"] / out["target_decode"]
     out["verify_k4_vs_decode"] = out["target_verify_k4"] / out["target_decode"]
+    # One-token steps of 16 requests in one call (continuous batching; an engine without batched calls runs them
+    # one by one): what serving many users costs per step.
+    out["target_batch16_decode"] = measure_batch_costs(deployment.target, 16, repeats=3).decode(16)
     return out

@@ -18,10 +18,24 @@ PROTOBUF_LIMIT = 1_800_000_000  # protobuf refuses messages over 2 GB; keep a ma
 
 
 def load_model(folder: Path):
-    """The graph in `folder`, with its external weights (if any) loaded into memory."""
+    """The graph in `folder`, with its external weights (if any) loaded into memory.
+
+    onnx refuses external data in a file with several hard links ("potential hardlink attack"), and a build
+    hard-links one engine into several places (a self-draft, the Triton repository): such a file is read
+    through a private copy."""
+    import shutil
+    import tempfile
+
     import onnx
 
-    return onnx.load(str(Path(folder) / MODEL_FILE), load_external_data=True)
+    folder = Path(folder)
+    data = folder / EXTERNAL_DATA_FILE
+    if not data.is_file() or data.stat().st_nlink == 1:
+        return onnx.load(str(folder / MODEL_FILE), load_external_data=True)
+    with tempfile.TemporaryDirectory(prefix="specpipe-onnx-", dir=folder.parent) as tmp:
+        shutil.copy2(folder / MODEL_FILE, Path(tmp) / MODEL_FILE)
+        shutil.copyfile(data, Path(tmp) / EXTERNAL_DATA_FILE)
+        return onnx.load(str(Path(tmp) / MODEL_FILE), load_external_data=True)
 
 
 def save_model(model, folder: Path) -> list[Path]:
