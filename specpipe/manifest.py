@@ -244,6 +244,16 @@ class Manifest(_Part):
             data = {**data, "draft": {**data["draft"], "kind": "model"}}
         return data
 
+    def draft_acceptance(self) -> Optional[float]:
+        """The deployed draft's per-token acceptance as the build measured it (candidate choice), or as its
+        prediction assumed; None when neither was recorded."""
+        if self.draft_choice is not None:
+            chosen = self.draft_choice.measurement(self.draft_choice.chosen)
+            if chosen.acceptance_rate is not None:
+                return chosen.acceptance_rate
+        prediction = getattr(self.draft, "prediction", None)
+        return prediction.acceptance if prediction is not None else None
+
     def deployment_paths(self) -> list[str]:
         """The deployment, relative to its folder: this manifest, the tokenizer and every engine folder it names
         (the unquantized engines kept for `validate --remeasure` too); a build's work files are not in it."""

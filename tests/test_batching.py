@@ -337,3 +337,23 @@ def test_a_user_schedule_overrides_the_plan(pair):
         update={"serving": ServingRecord(max_batch_size=4, draft_schedule="1:0")}))
     _, stats = batch_outputs(scheduler, prompts[:1], [cfg])
     assert stats[0].drafted == 0
+
+
+def test_requests_start_from_the_builds_measured_acceptance(pair):
+    """A request's acceptance estimate starts at the build's measurement, so a batch does not speculate on an
+    uninformed 0.5 for a draft the build saw rejected (the planner then decodes it in the batched call)."""
+    from specpipe.speculative.adaptive import ExpectedSpeedupDraftLength
+
+    low, high = (ExpectedSpeedupDraftLength(COSTS, start=4, max_len=8) for _ in range(2))
+    low.start_from(0.05), high.start_from(0.95)
+    assert low.acceptance < 0.25 < 0.75 < high.acceptance and low.k < high.k
+    assert plan_batch_draft_lengths([low.acceptance] * 2, [low.k] * 2, COSTS, BATCHED) == [0] * 2
+    assert plan_batch_draft_lengths([high.acceptance] * 2, [high.k] * 2, COSTS, BATCHED) == [high.k] * 2
+
+    scheduler = scheduler_for(pair, prior_acceptance=0.05)
+    cfg = GenerationConfig(max_new_tokens=8, stop_on_eos=False)
+    with scheduler._wake:  # admit by hand before the scheduler thread steps
+        stream = scheduler.decode([5, 6, 7], cfg, SpecStats())
+        scheduler._admit()
+        assert scheduler.running[0].draft_len.acceptance == pytest.approx(low.acceptance)
+    stream.close()

@@ -75,12 +75,14 @@ class BatchScheduler:
     def __init__(self, target: Engine, drafter: Optional[Drafter], eos_token_ids: Sequence[int] = (),
                  costs: Optional[StepCosts] = None, *, max_batch_size: int = 8, max_queue: int = 64,
                  batch_costs: Optional[BatchCosts] = None, draft_schedule: Optional[list[tuple[int, int]]] = None,
-                 prefill_chunk: int = 256):
+                 prefill_chunk: int = 256, prior_acceptance: Optional[float] = None):
         self.target, self.drafter = target, drafter
         self.eos_token_ids = set(int(t) for t in eos_token_ids)
         self.costs = costs or (drafter.default_costs() if drafter is not None else StepCosts(0.0, 0.0))
         self.batch_costs = batch_costs or BatchCosts.unbatched()
         self.draft_schedule = draft_schedule
+        # The draft's acceptance as the build measured it: where each request's estimate starts (adaptive.py).
+        self.prior_acceptance = prior_acceptance
         self.max_batch_size, self.max_queue, self.prefill_chunk = max_batch_size, max_queue, prefill_chunk
         self.batch = target.new_batch(max_batch_size)
         self.waiting: deque[_Request] = deque()
@@ -151,6 +153,8 @@ class BatchScheduler:
             speculating = request.cfg.speculative and self.drafter is not None
             request.draft = self.drafter.new_request(request.cfg) if speculating else None
             request.draft_len = draft_length_policy(request.cfg, self.costs)
+            if self.prior_acceptance is not None and hasattr(request.draft_len, "start_from"):
+                request.draft_len.start_from(self.prior_acceptance)
             self.running.append(request)
 
     def step(self) -> None:
