@@ -17,7 +17,7 @@ from specpipe.speculative.ngram import NgramDrafter
 from specpipe.config import NgramConfig
 from specpipe.testing.greedy import assert_greedy_equivalent
 
-from tests.test_decoding import CONTEXT, SAMPLED, chi_square_pvalue, target_probs
+from tests.test_decoding import CONTEXT, SAMPLED, chi_square_pvalue, first_two_tokens, target_probs
 
 
 @pytest.fixture(scope="module")
@@ -269,14 +269,7 @@ def batched_first_two(deployment, cfg, n):
     """The first two tokens of n seeded requests, all sent at once: each runs inside a batch of others."""
     scheduler = scheduler_for(deployment, max_batch_size=8, max_queue=n)
     streams = [scheduler.decode(CONTEXT, cfg.model_copy(update={"seed": seed}), SpecStats()) for seed in range(n)]
-    pairs = []
-    for stream in streams:
-        emitted = next(stream)
-        if len(emitted) < 2:
-            emitted += next(stream)
-        stream.close()
-        pairs.append((emitted[0], emitted[1]))
-    return pairs
+    return [first_two_tokens(stream) for stream in streams]
 
 
 @pytest.mark.parametrize("speculative", [True, False])

@@ -125,17 +125,19 @@ def chi_square_pvalue(observed: dict[int, int], probs: np.ndarray, min_expected:
     return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
+def first_two_tokens(steps) -> tuple[int, int]:
+    """The first two tokens a decode stream emits (one step may emit both); closes the stream."""
+    emitted = next(steps)
+    if len(emitted) < 2:
+        emitted += next(steps)
+    steps.close()
+    return emitted[0], emitted[1]
+
+
 def sample_first_two(deployment, cfg, n):
-    pairs = []
     decoder = deployment.generator.decoder
-    for seed in range(n):
-        steps = decoder.decode(CONTEXT, cfg.model_copy(update={"seed": seed}), SpecStats())
-        emitted = next(steps)
-        if len(emitted) < 2:
-            emitted += next(steps)
-        steps.close()
-        pairs.append((emitted[0], emitted[1]))
-    return pairs
+    return [first_two_tokens(decoder.decode(CONTEXT, cfg.model_copy(update={"seed": seed}), SpecStats()))
+            for seed in range(n)]
 
 
 def target_probs(deployment, context, sampling):

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from specpipe.bench.report import save_figure
+
 
 def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
@@ -74,12 +76,7 @@ def plot(report: dict, path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("specpipe loadtest (closed-loop streaming users)")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _seconds(ms: Optional[float]) -> Optional[float]:

@@ -135,6 +135,13 @@ def plot(results: dict, path: Path) -> Path:
         else:
             ax.text(0.5, 0.5, "no speculative rows with a fixed K", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(f"specpipe bench {results['engine_dir']} ({results['settings']['max_new_tokens']} new tokens, greedy)")
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path) -> Path:
+    """Lay out, write `fig` as a PNG at `path` (folders made), and free it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
