@@ -431,6 +431,14 @@ class LoadConfig(Strict):
     request_timeout_s: float = Field(600.0, gt=0, description="longest wait for the next response of a request")
     rss_interval_s: float = Field(0.5, gt=0, description="seconds between samples of the server's memory")
     label: Optional[str] = Field(None, description="row name in tables and plots; default: the target's name")
+    arrivals: Literal["staggered", "burst"] = Field(
+        "staggered", description="staggered: user n starts n/C of a request's latency (the warm-up's) after the "
+                                 "level begins, as independent users do; burst: every user at once (equal-length "
+                                 "requests then stay in step: every user's next prompt arrives in the same step)")
+    against_target_only: bool = Field(
+        False, description="run every level twice on the same server, once with K = 0 sent in every request "
+                           "(the target alone, batched) and once as deployed, alternating which goes first: "
+                           "two runs, '<label> target-only' and '<label>'")
 
     @field_validator("concurrency")
     @classmethod
@@ -443,6 +451,9 @@ class LoadConfig(Strict):
     def _every_user_sends(self) -> "LoadConfig":
         if max(self.requests, self.requests_per_user * max(self.concurrency)) < max(self.concurrency):
             raise ValueError(f"requests {self.requests} < concurrency {max(self.concurrency)}: some users would send nothing")
+        if self.against_target_only and self.num_draft_tokens is not None:
+            raise ValueError("against_target_only sends K = 0 and the deployment's own K: num_draft_tokens would "
+                             "override the second")
         return self
 
     def requests_at(self, concurrency: int) -> int:

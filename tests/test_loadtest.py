@@ -24,8 +24,10 @@ from specpipe.errors import UsageError
 from tests.test_gate import one_line_error
 
 LEVEL_KEYS = {"concurrency", "requests", "errors", "error_messages", "wall_s", "output_tokens", "tokens_per_s",
-              "request_tokens_per_s_p50", "ttft_ms_p50", "ttft_ms_p95", "itl_ms_p50", "itl_ms_p95", "rss_mb", "records"}
-RECORD_KEYS = {"index", "stream", "sent_ms", "ttft_ms", "total_ms", "tokens", "responses", "error"}
+              "request_tokens_per_s_p50", "ttft_ms_p50", "ttft_ms_p95", "itl_ms_p50", "itl_ms_p95", "rss_mb",
+              "drafted_per_token", "acceptance", "stagger_s", "records"}
+RECORD_KEYS = {"index", "stream", "sent_ms", "ttft_ms", "total_ms", "tokens", "responses", "steps", "drafted",
+               "accepted", "error"}
 RUN_KEYS = {"label", "target", "model", "started", "settings", "served", "machine", "levels"}
 
 
@@ -181,29 +183,64 @@ def test_a_label_clash_fails_before_any_load(tmp_path, capsys):
 # ---- a real server ---------------------------------------------------------------------------------
 
 
-def test_real_server_at_one_and_two_users(tiny_build, tmp_path, capsys):
-    """engines/NAME as TARGET: a temporary repository beside it, tritonserver on free ports, stopped after."""
-    before = set(tiny_build.parent.iterdir())
-    code, out, err = loadtest(capsys, tiny_build, "-c", "1,2", "--requests", "4", "--warmup-requests", "1",
-                              "--max-tokens", "8", "--label", "tiny", "--json-out", tmp_path / "load.json",
-                              "--plot", tmp_path / "load.png")
+def test_real_server_at_one_and_two_users(tiny_self_build, tmp_path, capsys):
+    """engines/NAME as TARGET: a temporary repository beside it, tritonserver on free ports, stopped after; every
+    level run as deployed and with K = 0 in each request, on the same server; users' first requests staggered."""
+    before = set(tiny_self_build.parent.iterdir())
+    code, out, err = loadtest(capsys, tiny_self_build, "-c", "1,2", "--requests", "4", "--warmup-requests", "1",
+                              "--max-tokens", "8", "--label", "tiny", "--against-target-only",
+                              "--json-out", tmp_path / "load.json", "--plot", tmp_path / "load.png")
     assert code == 0, err
-    assert set(tiny_build.parent.iterdir()) == before  # the temporary repository is gone
+    assert set(tiny_self_build.parent.iterdir()) == before  # the temporary repository is gone
 
     report = json.loads((tmp_path / "load.json").read_text())
-    assert report["schema"] == SCHEMA and len(report["runs"]) == 1
-    run = report["runs"][0]
-    assert set(run) == RUN_KEYS and run["label"] == "tiny" and run["served"]["instances"] == 1
-    assert run["settings"]["concurrency"] == [1, 2] and run["machine"]["summary"]
-    for level, users in zip(run["levels"], (1, 2)):
-        assert set(level) == LEVEL_KEYS and level["concurrency"] == users
-        assert (level["requests"], level["errors"]) == (4, 0), level["error_messages"]
-        assert level["output_tokens"] == 4 * 8  # EOS ignored: every request makes max_tokens
-        assert all(set(r) == RECORD_KEYS and r["tokens"] == 8 and r["ttft_ms"] <= r["total_ms"] for r in level["records"])
-        assert {r["stream"] for r in level["records"]} == set(range(users))
-        assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p95"] and level["itl_ms_p50"] is not None
-        assert level["rss_mb"]["start"] > 50 and level["rss_mb"]["samples"] >= 2  # server and stub together
-    assert (tmp_path / "load.png").is_file() and "tiny" in out
+    assert report["schema"] == SCHEMA and [run["label"] for run in report["runs"]] == ["tiny", "tiny target-only"]
+    deployed, target_only = report["runs"]
+    assert target_only["settings"]["num_draft_tokens"] == 0 and deployed["settings"]["num_draft_tokens"] is None
+    for run in report["runs"]:
+        assert set(run) == RUN_KEYS and run["served"]["instances"] == 1
+        assert run["settings"]["concurrency"] == [1, 2] and run["machine"]["summary"]
+        for level, users in zip(run["levels"], (1, 2)):
+            assert set(level) == LEVEL_KEYS and level["concurrency"] == users
+            assert (level["requests"], level["errors"]) == (4, 0), level["error_messages"]
+            assert level["output_tokens"] == 4 * 8  # EOS ignored: every request makes max_tokens
+            assert all(set(r) == RECORD_KEYS and r["tokens"] == 8 and r["ttft_ms"] <= r["total_ms"] for r in level["records"])
+            assert {r["stream"] for r in level["records"]} == set(range(users))
+            assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p95"] and level["itl_ms_p50"] is not None
+            assert level["rss_mb"]["start"] > 50 and level["rss_mb"]["samples"] >= 2  # server and stub together
+            # Staggered: the second user's first request leaves half a warm-up request's latency after the first.
+            assert level["stagger_s"] > 0
+            first_sent = min(r["sent_ms"] for r in level["records"] if r["stream"] == users - 1)
+            assert first_sent >= 0.9 * 1e3 * level["stagger_s"] * (users - 1) / users
+    # The server reports each request's drafts; with K = 0 in the request no row drafts. (As deployed, this pair
+    # does not speculate either: the target as its own draft costs a target step per draft token, c = 1.)
+    assert all(r["drafted"] is not None for run in report["runs"] for level in run["levels"] for r in level["records"])
+    assert all(level["drafted_per_token"] == 0 and level["acceptance"] is None for level in target_only["levels"])
+    assert (tmp_path / "load.png").is_file() and "tiny target-only" in out
+
+
+def test_against_target_only_sends_k_0_in_one_variant_and_alternates_which_goes_first(monkeypatch):
+    import specpipe.bench.load as load
+
+    calls = []
+
+    def fake_level(url, model_name, make_request, concurrency, requests, **kwargs):
+        calls.append((concurrency, make_request(0).get("num_draft_tokens"), kwargs.get("stagger_s", 0.0)))
+        record = RequestRecord(0, 0, 0.0, total_ms=1500.0, chunk_ms=[100.0, 1500.0], chunk_tokens=[1, 7])
+        return LevelRun(concurrency, [record] * requests, wall_s=1.0)
+
+    monkeypatch.setattr(load, "run_level", fake_level)
+    cfg = LoadConfig(concurrency=[1, 2, 4], requests=4, warmup_requests=1, against_target_only=True)
+    rows = load.run_load(cfg, "127.0.0.1:1", model_name="m")
+    k0 = [[0]]
+    assert [(c, None if k is None else k.tolist()) for c, k, _ in calls] == [
+        (1, None),  # warm-up, as deployed
+        (1, None), (1, k0), (2, k0), (2, None), (4, None), (4, k0)]
+    assert all(stagger == 1.5 for _, _, stagger in calls[1:])  # the warm-up request's latency
+    assert [row["concurrency"] for row in rows[load.TARGET_ONLY]] == [1, 2, 4] == [row["concurrency"] for row in rows[""]]
+    calls.clear()
+    load.run_load(cfg.model_copy(update={"arrivals": "burst"}), "127.0.0.1:1", model_name="m")
+    assert all(stagger == 0.0 for _, _, stagger in calls)
 
 
 def test_a_gate_whose_latency_slo_has_fewer_requests_than_users_is_refused(tmp_path):

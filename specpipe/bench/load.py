@@ -46,8 +46,9 @@ from specpipe.triton.load import (  # noqa: F401 (the level machinery lives with
 )
 
 
-def request_tensors(prompt: str, cfg: LoadConfig) -> dict[str, np.ndarray]:
-    """tensorrtllm_backend's tensors only (names, dtypes, [1, 1] shapes): the request any TRT-LLM client sends."""
+def request_tensors(prompt: str, cfg: LoadConfig, num_draft_tokens: Optional[int] = None) -> dict[str, np.ndarray]:
+    """tensorrtllm_backend's tensors only (names, dtypes, [1, 1] shapes): the request any TRT-LLM client sends.
+    `num_draft_tokens` (else cfg's) goes in the request when given; None leaves the deployment's own K."""
     tensors = {
         "text_input": np.array([[prompt.encode("utf-8")]], dtype=np.object_),
         "max_tokens": np.array([[cfg.max_tokens]], dtype=np.int32),
@@ -57,50 +58,65 @@ def request_tensors(prompt: str, cfg: LoadConfig) -> dict[str, np.ndarray]:
     }
     if cfg.ignore_eos:
         tensors["end_id"] = np.array([[-1]], dtype=np.int32)  # TensorRT-LLM: -1 = generate max_tokens regardless
-    if cfg.num_draft_tokens is not None:
-        tensors["num_draft_tokens"] = np.array([[cfg.num_draft_tokens]], dtype=np.int32)
+    k = cfg.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+    if k is not None:
+        tensors["num_draft_tokens"] = np.array([[k]], dtype=np.int32)
     return tensors
 
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
+TARGET_ONLY = " target-only"  # suffix of the K = 0 run's label (--against-target-only)
 
 
 def run_load(cfg: LoadConfig, url: str, *, model_name: str, server_pid: Optional[int] = None,
-             progress: Optional[Progress] = None) -> list[dict]:
-    """Warm-up, then one level per concurrency against the server at `url`: the level rows, in order."""
+             progress: Optional[Progress] = None) -> dict[str, list[dict]]:
+    """Warm-up, then one level per concurrency against the server at `url`: the level rows, in order, by variant
+    ("" = as deployed; TARGET_ONLY = K 0 in every request, with cfg.against_target_only, run on the same server
+    level by level, alternating which variant goes first so drift over the run does not favour either)."""
     from specpipe.bench.prompts import packaged_set, read_prompt_file
 
     prompt_set = read_prompt_file(cfg.prompts) if cfg.prompts else packaged_set(cfg.prompt_set)
     prompts = [p.prompt for p in prompt_set.prompts]
-    make_request = lambda index: request_tensors(prompts[index % len(prompts)], cfg)  # noqa: E731
     report = progress or (lambda what, done, total: None)
 
+    def requests_with(k: Optional[int]) -> RequestMaker:
+        return lambda index: request_tensors(prompts[index % len(prompts)], cfg, k)
+
+    stagger_s = 0.0
     if cfg.warmup_requests:
         report("warm-up", 0, cfg.warmup_requests)
-        warmup = run_level(url, model_name, make_request, 1, cfg.warmup_requests, timeout_s=cfg.request_timeout_s)
+        warmup = run_level(url, model_name, requests_with(None), 1, cfg.warmup_requests, timeout_s=cfg.request_timeout_s)
         failed = [r for r in warmup.records if r.error is not None]
         if failed:  # the server cannot answer at all: no point in measuring its errors at every level
             raise ServerError(f"warm-up request failed: {failed[0].error}")
-    rows = []
-    for concurrency in cfg.concurrency:
-        what, done, requests = f"{concurrency} users", [0], cfg.requests_at(concurrency)
+        if cfg.arrivals == "staggered":  # one request's latency alone: users' first requests spread over it
+            stagger_s = float(np.median([r.total_ms for r in warmup.records])) / 1e3
+    variants = {"": None, TARGET_ONLY: 0} if cfg.against_target_only else {"": None}
+    rows: dict[str, list[dict]] = {name: [] for name in variants}
+    for n, concurrency in enumerate(cfg.concurrency):
+        order = list(variants) if n % 2 == 0 else list(reversed(variants))
+        for name in order:
+            what, done, requests = f"{concurrency} users{name}", [0], cfg.requests_at(concurrency)
 
-        def tick(record: RequestRecord) -> None:
-            done[0] += 1
-            report(what, done[0], requests)
+            def tick(record: RequestRecord, what=what, done=done, requests=requests) -> None:
+                done[0] += 1
+                report(what, done[0], requests)
 
-        report(what, 0, requests)
-        level = run_level(url, model_name, make_request, concurrency, requests, timeout_s=cfg.request_timeout_s,
-                          server_pid=server_pid, rss_interval_s=cfg.rss_interval_s, on_done=tick)
-        rows.append({**summarize_level(level), "records": [r.as_dict() for r in level.records]})
+            report(what, 0, requests)
+            level = run_level(url, model_name, requests_with(variants[name]), concurrency, requests,
+                              timeout_s=cfg.request_timeout_s, server_pid=server_pid, rss_interval_s=cfg.rss_interval_s,
+                              stagger_s=stagger_s, on_done=tick)
+            rows[name].append({**summarize_level(level), "stagger_s": stagger_s,
+                               "records": [r.as_dict() for r in level.records]})
     return rows
 
 
 def run_loadtest(cfg: LoadConfig, *, target: Optional[Path] = None, url: Optional[str] = None,
                  model_name: Optional[str] = None, progress: Optional[Progress] = None,
-                 log: Callable[[str], None] = lambda line: None) -> dict:
+                 log: Callable[[str], None] = lambda line: None) -> list[dict]:
     """Drive the server for `target` (a Triton repository, or engines/NAME served from a temporary repository of
-    hard links), started here on free loopback ports and stopped after; or the running server at `url`."""
+    hard links), started here on free loopback ports and stopped after; or the running server at `url`.
+    One run (dict) per variant (run_load): one, or two with cfg.against_target_only."""
     from specpipe.machine import describe_machine
     from specpipe.manifest import now_iso
     from specpipe.triton.client import DEFAULT_MODEL
@@ -123,16 +139,18 @@ def run_loadtest(cfg: LoadConfig, *, target: Optional[Path] = None, url: Optiona
             server = stack.enter_context(_started_server(repo, log))
             url, server_pid, where = server.url, server.process.pid, str(target)
         rows = run_load(cfg, url, model_name=model_name, server_pid=server_pid, progress=progress)
-    return {
-        "label": run_label(cfg, where),
+    machine = describe_machine(served.get("threads_per_instance")).as_dict()
+    settings = cfg.model_dump(mode="json")
+    return [{
+        "label": label,
         "target": where,
         "model": model_name,
         "started": started_iso,
-        "settings": cfg.model_dump(mode="json"),
+        "settings": {**settings, "num_draft_tokens": 0} if suffix else settings,
         "served": served,
-        "machine": describe_machine(served.get("threads_per_instance")).as_dict(),
-        "levels": rows,
-    }
+        "machine": machine,
+        "levels": rows[suffix],
+    } for suffix, label in zip(rows, run_labels(cfg, where))]
 
 
 def run_label(cfg: LoadConfig, where: str | Path) -> str:
@@ -141,6 +159,12 @@ def run_label(cfg: LoadConfig, where: str | Path) -> str:
         return cfg.label
     label = Path(where).name or str(where)
     return label if cfg.num_draft_tokens is None else f"{label} K={cfg.num_draft_tokens}"
+
+
+def run_labels(cfg: LoadConfig, where: str | Path) -> list[str]:
+    """The labels of the runs run_loadtest returns, in its order."""
+    label = run_label(cfg, where)
+    return [label, label + TARGET_ONLY] if cfg.against_target_only else [label]
 
 
 @contextmanager

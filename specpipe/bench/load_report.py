@@ -40,6 +40,15 @@ def print_table(report: dict, console=None) -> None:
                 _fmt(rss.get("max"), ".0f"), _fmt(rss.get("growth_pct"), "+.1f") + ("%" if rss.get("growth_pct") is not None else ""),
             )
     console.print(table)
+    by_label = {run["label"]: run for run in report["runs"]}
+    for run in report["runs"]:
+        base = by_label.get(run["label"] + " target-only")  # --against-target-only: the same server, K = 0
+        if base is not None:
+            ratios = [f"{level['concurrency']}: {_fmt(_ratio(level, other), '.2f')}x"
+                      + (f" (drafts/token {level['drafted_per_token']:.2f}, accepted {_fmt(level['acceptance'], '.0%')})"
+                         if level.get("drafted_per_token") else "")
+                      for level, other in zip(run["levels"], base["levels"])]
+            console.print(f"{run['label']} / target-only, aggregate tokens/s by users: " + ", ".join(ratios))
     for run in report["runs"]:
         settings = run["settings"]
         k = "the deployment's" if settings["num_draft_tokens"] is None else str(settings["num_draft_tokens"])
@@ -49,6 +58,12 @@ def print_table(report: dict, console=None) -> None:
         for level in run["levels"]:
             for message, count in level["error_messages"].items():
                 console.print(f"  {level['concurrency']} users, {count} x error: {message}")
+
+
+def _ratio(level: dict, base: dict) -> Optional[float]:
+    if level["tokens_per_s"] is None or not base["tokens_per_s"]:
+        return None
+    return level["tokens_per_s"] / base["tokens_per_s"]
 
 
 def plot(report: dict, path: Path) -> Path:

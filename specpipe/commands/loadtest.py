@@ -45,13 +45,16 @@ def _option(flag: str, name: str, **kwargs):
 @_option("--ignore-eos/--stop-at-eos", "ignore_eos")
 @_option("--timeout", "request_timeout_s", type=float)
 @_option("--label", "label", type=str)
+@_option("--arrivals", "arrivals", type=click.Choice(["staggered", "burst"]))
+@_option("--against-target-only/--as-deployed-only", "against_target_only")
 @click.option("--compare", "compare", multiple=True, type=click.Path(path_type=Path),
               help="A loadtest JSON file whose runs join the table and plot (repeatable); alone, nothing is run.")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help="Write the report (every run) as JSON.")
 @click.option("--plot", type=click.Path(path_type=Path), default=None,
               help="Write a PNG of tokens/s and TTFT p95 vs concurrency, one line per run.")
 def loadtest(target: Optional[Path], url, model_name, concurrency, requests, requests_per_user, warmup_requests, max_tokens, prompt_set,
-             prompts, num_draft_tokens, ignore_eos, request_timeout_s, label, compare, json_out, plot) -> None:
+             prompts, num_draft_tokens, ignore_eos, request_timeout_s, label, arrivals, against_target_only, compare,
+             json_out, plot) -> None:
     """Drive a real Triton server with closed-loop streaming users at each concurrency: aggregate and per-request
     tokens/s, TTFT and inter-token latency p50/p95, errors, server memory.
 
@@ -64,7 +67,7 @@ def loadtest(target: Optional[Path], url, model_name, concurrency, requests, req
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specpipe.bench.load import make_report, read_reports, run_label, run_loadtest
+    from specpipe.bench.load import make_report, read_reports, run_labels, run_loadtest
     from specpipe.bench.load_report import plot as write_plot
     from specpipe.bench.load_report import print_table
 
@@ -76,18 +79,19 @@ def loadtest(target: Optional[Path], url, model_name, concurrency, requests, req
                       requests_per_user=requests_per_user,
                       warmup_requests=warmup_requests, max_tokens=max_tokens, prompt_set=prompt_set, prompts=prompts,
                       num_draft_tokens=num_draft_tokens, ignore_eos=ignore_eos,
-                      request_timeout_s=request_timeout_s, label=label)
+                      request_timeout_s=request_timeout_s, label=label, arrivals=arrivals,
+                      against_target_only=against_target_only)
     runs = read_reports(list(compare))
     running = target is not None or url is not None
-    make_report(runs + [{"label": run_label(cfg, target or url)}] if running else runs)  # a clash fails before the run
+    make_report(runs + [{"label": label} for label in run_labels(cfg, target or url)] if running else runs)  # a clash fails before the run
     console = Console(stderr=True)
     if running:
         with Progress(TextColumn("[bold]loadtest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("{task.description}"), console=console, transient=True) as bar:
             task = bar.add_task("starting", total=None)
-            runs.append(run_loadtest(cfg, target=target, url=url, model_name=model_name, log=bar.console.log,
-                                     progress=lambda what, done, total: bar.update(task, description=what,
-                                                                                   completed=done, total=total)))
+            runs += run_loadtest(cfg, target=target, url=url, model_name=model_name, log=bar.console.log,
+                                 progress=lambda what, done, total: bar.update(task, description=what,
+                                                                               completed=done, total=total))
     report = make_report(runs)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,15 @@ class RequestRecord:
     result: dict = field(default_factory=dict, repr=False)  # the client's whole result (server statistics)
 
     @property
+    def drafted(self) -> Optional[int]:
+        """Draft tokens the server's decoder proposed for this request (its statistics); None if not reported."""
+        return self.result.get("drafted")
+
+    @property
+    def accepted(self) -> Optional[int]:
+        return self.result.get("accepted")
+
+    @property
     def tokens(self) -> int:
         return sum(self.chunk_tokens)
 
@@ -45,7 +54,9 @@ class RequestRecord:
 
     def as_dict(self) -> dict:
         return {"index": self.index, "stream": self.stream, "sent_ms": self.sent_ms, "ttft_ms": self.ttft_ms,
-                "total_ms": self.total_ms, "tokens": self.tokens, "responses": len(self.chunk_ms), "error": self.error}
+                "total_ms": self.total_ms, "tokens": self.tokens, "responses": len(self.chunk_ms),
+                "steps": self.result.get("steps"), "drafted": self.drafted, "accepted": self.accepted,
+                "error": self.error}
 
 
 @dataclass
@@ -58,8 +69,14 @@ class LevelRun:
 
 def run_level(url: str, model_name: str, make_request: RequestMaker, concurrency: int, requests: int, *,
               timeout_s: float = 600.0, server_pid: Optional[int] = None, rss_interval_s: float = 0.5,
-              on_done: Optional[Callable[[RequestRecord], None]] = None) -> LevelRun:
-    """`requests` requests (make_request(0), (1), ...) sent by `concurrency` closed-loop streaming users."""
+              stagger_s: float = 0.0, on_done: Optional[Callable[[RequestRecord], None]] = None) -> LevelRun:
+    """`requests` requests (make_request(0), (1), ...) sent by `concurrency` closed-loop streaming users.
+
+    With `stagger_s` > 0, user n sends its first request n * stagger_s / concurrency seconds after the level
+    starts, instead of all users at once. Closed-loop users whose requests have equal lengths keep the phase they
+    start with (a batched server advances every row one step at a time), so users started together arrive
+    together for the whole level: `stagger_s` = one request's latency spreads them over a request's length, as
+    independent users are."""
     import tritonclient.grpc as grpcclient
 
     from specpipe.triton.client import RemoteGeneration
@@ -70,6 +87,7 @@ def run_level(url: str, model_name: str, make_request: RequestMaker, concurrency
     def user(stream: int) -> None:
         client = grpcclient.InferenceServerClient(url)
         try:
+            time.sleep(max(0.0, started + stream * stagger_s / concurrency - time.perf_counter()))
             while True:
                 with lock:
                     index = next(next_index, None)
@@ -132,6 +150,8 @@ def summarize_level(level: LevelRun) -> dict:
     ttft = [r.ttft_ms for r in done if r.ttft_ms is not None]
     itl = [sample for r in done for sample in itl_samples(r.chunk_ms, r.chunk_tokens)]
     request_rates = [r.tokens / (r.total_ms / 1e3) for r in done if r.total_ms]
+    drafted = [r for r in done if r.drafted is not None and r.accepted is not None]
+    drafted_tokens = sum(r.drafted for r in drafted)
     messages: dict[str, int] = {}
     for r in failed:
         messages[r.error] = messages.get(r.error, 0) + 1
@@ -149,6 +169,10 @@ def summarize_level(level: LevelRun) -> dict:
         "itl_ms_p50": percentile(itl, 50),
         "itl_ms_p95": percentile(itl, 95),
         "rss_mb": rss_summary(level.rss_bytes),
+        # Speculation as the server reports it: drafted tokens per output token (0 = the target alone) and the
+        # share of them accepted.
+        "drafted_per_token": drafted_tokens / tokens if drafted and tokens else (0.0 if drafted else None),
+        "acceptance": sum(r.accepted for r in drafted) / drafted_tokens if drafted_tokens else None,
     }
 
 
