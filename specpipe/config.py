@@ -134,6 +134,14 @@ class BuildConfig(Strict):
         return v
 
     @model_validator(mode="after")
+    def _auto_quant_is_a_cpu_targets(self) -> "BuildConfig":
+        if self.draft_quant.mode == "auto":
+            raise ValueError("--draft-quant auto: auto chooses the target's quantization (--quant auto); give the draft a mode")
+        if self.quant.mode == "auto" and self.backend.kind != "onnxruntime":
+            raise ValueError(f"--quant auto applies to --backend onnxruntime, not {self.backend.kind}")
+        return self
+
+    @model_validator(mode="after")
     def _gpu_backends_build_one_draft_model(self) -> "BuildConfig":
         if self.backend.kind != "onnxruntime":
             if len(self.draft) != 1:
@@ -523,7 +531,11 @@ class NgramConfig(Strict):
 
 
 
-QuantMode = Literal["none", "int8-wo", "int4-wo", "int8", "fp8"]
+QuantMode = Literal["none", "int8-wo", "int4-wo", "int8", "fp8"]  # how an engine is quantized
+# --quant may also be `auto`: the build quantizes the target as each of AUTO_QUANT_CANDIDATES in turn and
+# keeps the first within its accuracy budget, else the unquantized engine (build/cpu.py `_auto_quant`).
+QuantChoice = Literal["none", "int8-wo", "int4-wo", "int8", "fp8", "auto"]
+AUTO_QUANT_CANDIDATES = ("int4-wo", "int8-wo")  # fastest first on CPU (MatMulNBits reads 4, then 8 bits a weight)
 KvCacheDtype = Literal["auto", "fp8", "int8"]
 
 
@@ -542,14 +554,16 @@ class AccuracyBudget(Strict):
 class QuantConfig(Strict):
     """How one engine (target or draft) is quantized; `mode` none keeps fp32.
 
-    int8-wo / int4-wo: weight-only, ONNX Runtime MatMulNBits, group-wise (int4: asymmetric, with the
-    lm_head kept at int8; specpipe.quantize.weight_only.RECIPES).
+    int8-wo / int4-wo: weight-only, ONNX Runtime MatMulNBits, group-wise. On the model builder's graph the
+    builder quantizes (specpipe.quantize.weight_only.BUILDER_RECIPES: int4 k-quant with the lm_head and the
+    sensitive layers at int8); on optimum's graph specpipe does (RECIPES: int4 asymmetric, lm_head at int8).
     int8: W8A8 QDQ, per-channel weights, per-tensor activation scales calibrated on prompts.
     fp8: E4M3 weights and activations as QDQ with calibrated scales; ONNX Runtime on CPU emulates
     it (that is how accuracy is checked here), TensorRT on Hopper/Ada runs the same graph natively.
+    auto (a CPU target only): the first of AUTO_QUANT_CANDIDATES within the budget, else none.
     """
 
-    mode: QuantMode = "none"
+    mode: QuantChoice = "none"
     group_size: int = Field(32, ge=16, description="weight-only: weights per quantization group (power of 2, >= 16)")
     calib_prompts: Optional[Path] = Field(None, description="JSONL with {\"prompt\": ...} lines; None = the packaged set")
     calib_size: int = Field(64, ge=1, description="calibration prompts used for int8 / fp8")

@@ -62,6 +62,24 @@ class ExportCheck(_Part):
     tolerance: float
 
 
+class QuantCandidate(_Record):
+    """One mode `--quant auto` tried: its accuracy against the unquantized engine and whether it was in budget."""
+
+    mode: QuantMode
+    accuracy: Optional[AccuracyReport] = None
+    violations: list[dict] = Field(default_factory=list)
+    within_budget: bool
+    seconds: float  # quantizing and measuring it
+
+    def summary(self) -> str:
+        verdict = "within budget" if self.within_budget else "over budget (" + ", ".join(
+            f"{v['metric']} {v['value']:.3g} vs limit {v['limit']:.3g}" for v in self.violations) + ")"
+        numbers = "" if self.accuracy is None else (
+            f"perplexity {self.accuracy.ppl_rel_change:+.1%}, top-1 agreement {self.accuracy.top1_agreement:.3f}, "
+            f"mean KL {self.accuracy.mean_kl:.3f}: ")
+        return f"{self.mode}: {numbers}{verdict} ({self.seconds:.0f} s)"
+
+
 class QuantRecord(_Record):
     """quantize.quantize_engine's block: the mode, how far the engine drifted, and the budget it was held to."""
 
@@ -69,6 +87,7 @@ class QuantRecord(_Record):
     accuracy: Optional[AccuracyReport] = None  # absent for mode none
     budget: Optional[AccuracyBudget] = None
     reference_path: Optional[str] = None  # the unquantized engine kept beside it (validate --remeasure)
+    candidates: Optional[list[QuantCandidate]] = None  # --quant auto: every mode tried, in order; `mode` is the kept one
 
 
 class ConsistencyRecord(_Record):

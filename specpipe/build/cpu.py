@@ -38,6 +38,7 @@ from specpipe.manifest import (
     NgramDraft,
     NoDraft,
     Prediction,
+    QuantCandidate,
     QuantRecord,
     SelfDraft,
     ServingRecord,
@@ -90,7 +91,7 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         timings: dict[str, float] = {}
         target_entry = _build_engine(target, stage / "target", cfg, cfg.quant, tokenizer, say, timings, "target")
         target_entry.verify_consistency, target_entry.min_rows_per_call = _target_min_rows(
-            stage / "target", cfg, tokenizer, say, timings)
+            stage / "target", target_entry.engine.quant, cfg, tokenizer, say, timings)
 
         def build_draft(spec: str, out: Path, spent: dict) -> DraftEntry:
             return _build_draft(spec, kinds[spec], out, stage, cfg, models.get(spec), vocabs.get(spec), target,
@@ -320,7 +321,8 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
     entry = ModelEntry(
         source=ckpt.source, resolved_path=str(ckpt.path), weights_sha256=ckpt.weights_sha256,
         checkpoint=info.model_dump(mode="json"),
-        engine=EngineRecord(path=out.name, backend="onnxruntime", quant=qcfg.mode, graph=graph, files={}),
+        engine=EngineRecord(path=out.name, backend="onnxruntime", graph=graph, files={},
+                            quant="none" if qcfg.mode == "auto" else qcfg.mode),  # auto: the kept mode, set below
         export_check=ExportCheck(max_abs_diff=max_abs_diff, tolerance=cfg.backend.export_tolerance),
     )  # fmt: skip
     if vocab is not None:
@@ -331,23 +333,56 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         t2 = time.perf_counter()
         reference = out.with_name(f"{role}-fp32")
         out.rename(reference)
-        say(f"quantizing the {role} ({qcfg.mode}) and measuring its accuracy")
-        entry.quant = QuantRecord(**quantize_engine(reference, out, qcfg, tokenizer, model_name=role, threads=cfg.backend.threads),
-                                  reference_path=reference.name)
+        checkpoint = ckpt.path if graph == "genai" else None  # the builder quantizes its own graph
+        if qcfg.mode == "auto":
+            entry.quant = _auto_quant(reference, out, qcfg, tokenizer, checkpoint, cfg.backend.threads, say, role)
+            entry.engine.quant = entry.quant.mode
+        else:
+            say(f"quantizing the {role} ({qcfg.mode}) and measuring its accuracy")
+            entry.quant = QuantRecord(**quantize_engine(reference, out, qcfg, tokenizer, model_name=role,
+                                                        threads=cfg.backend.threads, checkpoint=checkpoint),
+                                      reference_path=reference.name)
         timings[f"{role}_quantize_s"] = time.perf_counter() - t2
     entry.engine.files = file_hashes(out)
     return entry
 
 
+def _auto_quant(reference: Path, out: Path, qcfg, tokenizer, checkpoint: Optional[Path], threads: int, say: Progress,
+                role: str) -> QuantRecord:
+    """`--quant auto`: quantize `reference` into `out` as each of AUTO_QUANT_CANDIDATES (fastest first), measure
+    each against it, and keep the first within qcfg.budget; if none is, the unquantized engine becomes `out`.
+    The record names the kept mode and lists every candidate's numbers."""
+    from specpipe.config import AUTO_QUANT_CANDIDATES
+    from specpipe.quantize import quantize_engine
+
+    candidates = []
+    for mode in AUTO_QUANT_CANDIDATES:
+        say(f"--quant auto: quantizing the {role} ({mode}) and measuring its accuracy")
+        started = time.perf_counter()
+        block = quantize_engine(reference, out, qcfg.model_copy(update={"mode": mode, "accept_accuracy_loss": True}),
+                                tokenizer, model_name=role, threads=threads, checkpoint=checkpoint)
+        candidate = QuantCandidate(mode=mode, accuracy=block["accuracy"], violations=block["violations"],
+                                   within_budget=not block["violations"], seconds=round(time.perf_counter() - started, 2))
+        candidates.append(candidate)
+        say(f"--quant auto: {candidate.summary()}")
+        if candidate.within_budget:
+            return QuantRecord(**block, reference_path=reference.name, candidates=candidates)
+        shutil.rmtree(out)
+    say(f"--quant auto: no quantized {role} within the accuracy budget; keeping it unquantized")
+    reference.rename(out)
+    return QuantRecord(mode="none", budget=qcfg.budget, candidates=candidates)
+
+
 # Architectures onnxruntime-genai's builder turns into the shared-KV graph that engines/shared_kv.py runs.
 GENAI_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma")
-GENAI_QUANT_MODES = ("none", "int4-wo", "int8-wo")
+GENAI_QUANT_MODES = ("none", "int4-wo", "int8-wo", "auto")
 
 
 def target_graph(cfg: BuildConfig, info) -> str:
     """Which exporter makes the target: "genai" (batches requests, engines/shared_kv.py) or "optimum".
-    Weight-only quantization (MatMulNBits on the graph's constant-weight MatMuls, lm_head included) works on
-    either graph; calibrated modes (int8, fp8) and self-drafts are built for optimum's graph."""
+    Weight-only quantization (MatMulNBits) works on either graph: the model builder quantizes its own
+    (quantize/weight_only.py BUILDER_RECIPES), specpipe quantizes optimum's; calibrated modes (int8, fp8) and
+    self-drafts are built for optimum's graph."""
     self_draft = any(spec.startswith("self:") for spec in cfg.draft)
     possible = (cfg.quant.mode in GENAI_QUANT_MODES and info.model_type in GENAI_MODEL_TYPES and not self_draft)
     if cfg.backend.target_graph == "optimum" or (cfg.backend.target_graph == "auto" and not possible):
@@ -392,7 +427,8 @@ def _build_self_draft(spec: str, stage: Path, out: Path, cfg: BuildConfig, token
 CONSISTENCY_PROMPTS = ("def fibonacci(n):\n", "The capital of France is")
 
 
-def _target_min_rows(folder: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict) -> tuple[ConsistencyRecord, int]:
+def _target_min_rows(folder: Path, quant_mode: str, cfg: BuildConfig, tokenizer, say: Progress,
+                     timings: dict) -> tuple[ConsistencyRecord, int]:
     """Whether the target scores a position alike in a 1-token decode and inside a verify call of K+1 = 5
     tokens (engines/consistency.py), and the rows per call that make it so, measured on this machine.
 
@@ -406,7 +442,7 @@ def _target_min_rows(folder: Path, cfg: BuildConfig, tokenizer, say: Progress, t
     t0 = time.perf_counter()
     say("checking the target scores a position alike alone and inside a verify call")
     prompts = [ids for ids in (tokenizer(prompt)["input_ids"] for prompt in CONSISTENCY_PROMPTS) if ids]
-    tolerance = near_tie_tolerance(cfg.quant.mode)
+    tolerance = near_tie_tolerance(quant_mode)
     unpadded = None
     for min_rows in (1, TARGET_MIN_ROWS):
         result = verify_consistency(load_engine(folder, threads=cfg.backend.threads, min_rows=min_rows), prompts, new_tokens=24,
@@ -416,7 +452,7 @@ def _target_min_rows(folder: Path, cfg: BuildConfig, tokenizer, say: Progress, t
             break
         unpadded = unpadded if unpadded is not None else result.max_abs_logit_diff
     if not within:
-        say(f"warning: the {cfg.quant.mode} target's logits differ by up to {result.max_abs_logit_diff:.3g} between a"
+        say(f"warning: the {quant_mode} target's logits differ by up to {result.max_abs_logit_diff:.3g} between a"
             f" 1-token decode and a verify call (near-tie tolerance {tolerance:g}): speculative greedy output may"
             " differ from target-only output")
     timings["target_consistency_s"] = time.perf_counter() - t0

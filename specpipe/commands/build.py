@@ -182,6 +182,10 @@ def _print_summary(folder: Path, manifest: Manifest) -> None:
     t, d = manifest.target, manifest.draft
     click.echo(f"built {folder}")
     click.echo(f"  target {t.source}: max |logit diff| vs torch {t.export_check.max_abs_diff:.2e}")
+    if t.quant is not None and t.quant.candidates:
+        click.echo(f"  target --quant auto kept {t.quant.mode}; candidates, fastest first:")
+        for candidate in t.quant.candidates:
+            click.echo(f"   {'*' if candidate.mode == t.quant.mode else ' '} {candidate.summary()}")
     if d.kind == "model":
         click.echo(f"  draft  {d.source}: max |logit diff| vs torch {d.export_check.max_abs_diff:.2e}")
         if d.vocab is not None:

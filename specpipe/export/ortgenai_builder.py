@@ -51,9 +51,7 @@ def run_model_builder(checkpoint_dir: Path, out_dir: Path, precision: Precision,
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ortgenai-input-", dir=cache_dir) as view:
         _checkpoint_view(checkpoint_dir, Path(view))
-        argv = ["-i", view, "-o", str(out_dir), "-p", precision, "-e", "cpu", "-c", str(cache_dir)]
-        if extra_options:
-            argv += ["--extra_options", *(f"{key}={value}" for key, value in extra_options.items())]
+        argv = builder_argv(Path(view), out_dir, precision, cache_dir, extra_options)
         try:
             done = subprocess.run([sys.executable, "-m", __name__, *argv], capture_output=True, text=True,
                                   timeout=timeout_s)
@@ -65,6 +63,17 @@ def run_model_builder(checkpoint_dir: Path, out_dir: Path, precision: Precision,
     if not (out_dir / "genai_config.json").is_file() or not (out_dir / "model.onnx").is_file():
         raise ExportError(f"onnxruntime-genai's model builder wrote no model.onnx/genai_config.json into {out_dir}")
     return out_dir
+
+
+def builder_argv(checkpoint_dir: Path, out_dir: Path, precision: Precision, cache_dir: Path,
+                 extra_options: Optional[dict[str, str]] = None) -> list[str]:
+    """The builder's command line. `extra_options` are its `--extra_options KEY=VALUE` pairs, spelled as
+    onnxruntime-genai 0.18 spells them (`python -m onnxruntime_genai.models.builder --help`), e.g.
+    block_size, accuracy_level, algo_config, matmul_mixed_precision, nodes_to_exclude, is_symmetric."""
+    argv = ["-i", str(checkpoint_dir), "-o", str(out_dir), "-p", precision, "-e", "cpu", "-c", str(cache_dir)]
+    if extra_options:
+        argv += ["--extra_options", *(f"{key}={value}" for key, value in extra_options.items())]
+    return argv
 
 
 def _checkpoint_view(checkpoint_dir: Path, view: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -50,6 +51,7 @@ class QuantResult:
     src_bytes: int
     dst_bytes: int
     seconds: float
+    recipe: dict | None = None  # weight-only modes: which quantizer, with which settings
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -117,18 +119,58 @@ def quantize_onnx(src_dir: Path, dst_dir: Path, cfg: QuantConfig, calib: Sequenc
         meta["ort_optimized"] = True
     (dst_dir / ENGINE_META).write_text(json.dumps(meta, indent=2) + "\n")
     calib_used = [ids for ids in (calib or []) if ids] if cfg.needs_calibration else []
+    weight_only = cfg.mode in ("int8-wo", "int4-wo")
+    if weight_only:
+        from specpipe.quantize.weight_only import recipe_record
     return QuantResult(
         mode=cfg.mode,
         quantized_layers=layers,
         untied_weights=untied,
-        group_size=cfg.group_size if cfg.mode in ("int8-wo", "int4-wo") else None,
+        group_size=cfg.group_size if weight_only else None,
         calib_sequences=len(calib_used),
         calib_tokens=sum(len(ids) for ids in calib_used),
         smooth_quant=cfg.smooth_quant and cfg.mode == "int8",
         src_bytes=folder_bytes(src_dir),
         dst_bytes=folder_bytes(dst_dir),
         seconds=round(time.perf_counter() - started, 2),
+        recipe=recipe_record(cfg.mode, cfg.group_size) if weight_only else None,
     )
+
+
+def quantize_with_builder(checkpoint_dir: Path, src_dir: Path, dst_dir: Path, cfg: QuantConfig) -> QuantResult:
+    """Write `checkpoint_dir` as a weight-only engine in `dst_dir` with onnxruntime-genai's model builder
+    (weight_only.BUILDER_RECIPES[cfg.mode]); `src_dir` is the unquantized builder engine of the same checkpoint,
+    whose engine.json it shares."""
+    from specpipe.engines.base import ENGINE_META, read_engine_meta
+    from specpipe.export.ortgenai_builder import run_model_builder
+    from specpipe.quantize.weight_only import BUILDER_RECIPES
+
+    if cfg.mode not in BUILDER_RECIPES:
+        raise UsageError(f"--quant {cfg.mode} on onnxruntime-genai's graph: it takes {', '.join(BUILDER_RECIPES)}")
+    recipe = BUILDER_RECIPES[cfg.mode]
+    started = time.perf_counter()
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    meta = read_engine_meta(src_dir)
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="specpipe-builder-", dir=dst_dir.parent) as raw:
+        run_model_builder(checkpoint_dir, Path(raw) / "out", recipe.precision, Path(raw) / "cache",
+                          extra_options=recipe.options(cfg.group_size))
+        for path in model_files(Path(raw) / "out"):  # its genai_config.json and tokenizer files are not ours to keep
+            shutil.move(str(path), dst_dir / path.name)
+    (dst_dir / ENGINE_META).write_text(json.dumps({**meta, "quant": cfg.mode}, indent=2) + "\n")
+    return QuantResult(
+        mode=cfg.mode, quantized_layers=_count_nodes(dst_dir, "MatMulNBits"), untied_weights=[],
+        group_size=cfg.group_size, calib_sequences=0, calib_tokens=0, smooth_quant=False,
+        src_bytes=folder_bytes(src_dir), dst_bytes=folder_bytes(dst_dir), seconds=round(time.perf_counter() - started, 2),
+        recipe=recipe.as_dict(cfg.group_size),
+    )  # fmt: skip
+
+
+def _count_nodes(folder: Path, op_type: str) -> int:
+    import onnx
+
+    graph = onnx.load(str(Path(folder) / model_files(folder)[0].name), load_external_data=False).graph
+    return sum(node.op_type == op_type for node in graph.node)
 
 
 def quantize_engine(
@@ -139,18 +181,26 @@ def quantize_engine(
     *,
     model_name: str,
     threads: int = THREADS,
+    checkpoint: Path | None = None,
 ) -> dict:
     """Quantize, measure against `src_dir`, check the budget. Returns the manifest's "quant" block.
 
     Raises AccuracyBudgetError when over budget, unless cfg.accept_accuracy_loss (then the violations
-    are recorded in the block). `model_name` ("target", "draft") names the engine in errors.
+    are recorded in the block). `model_name` ("target", "draft") names the engine in errors. `checkpoint`:
+    the Hugging Face checkpoint of an onnxruntime-genai graph, which its model builder quantizes
+    (`quantize_with_builder`); otherwise specpipe quantizes the ONNX graph (`quantize_onnx`).
     """
     from specpipe.quantize.accuracy import check_budget, measure_accuracy
     from specpipe.quantize.calibration import calibration_batches, evaluation_batches
 
     check_kv_cache_dtype(cfg)
+    if cfg.mode == "auto":
+        raise UsageError("--quant auto is a build's choice among modes (build/cpu.py); quantize one mode at a time")
     calib = calibration_batches(tokenizer, cfg) if cfg.needs_calibration else None
-    result = quantize_onnx(src_dir, dst_dir, cfg, calib)
+    if checkpoint is not None and cfg.mode != "none":
+        result = quantize_with_builder(checkpoint, src_dir, dst_dir, cfg)
+    else:
+        result = quantize_onnx(src_dir, dst_dir, cfg, calib)
     block = {**result.as_dict(), "kv_cache_dtype": cfg.kv_cache_dtype}
     if cfg.mode == "none":
         return block

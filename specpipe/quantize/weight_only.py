@@ -41,6 +41,40 @@ RECIPES = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class BuilderRecipe:
+    """A weight-only mode as onnxruntime-genai's model builder makes it (the shared-KV target graph):
+    its `--precision` and `--extra_options`, spelled as onnxruntime-genai 0.18 spells them."""
+
+    precision: str
+    extra_options: tuple[tuple[str, str], ...]
+
+    def options(self, group_size: int) -> dict[str, str]:
+        return {**dict(self.extra_options), "block_size": str(group_size),
+                "accuracy_level": str(ACCURACY_LEVEL_INT8_COMPUTE)}
+
+    def as_dict(self, group_size: int) -> dict:
+        return {"quantizer": "onnxruntime-genai model builder", "precision": self.precision,
+                "extra_options": self.options(group_size)}
+
+
+# Measured on SmolLM2-135M (AVX2 EPYC, 2026-11-23, README's builder table): k_quant (llama.cpp's weighted
+# scale/min search) with the lm_head (tied: the embedding too) and llama.cpp's sensitive layers at int8 was
+# the most accurate int4 at int4 speed; symmetric int4 with an int4 head ("default") was the least.
+BUILDER_RECIPES = {
+    "int8-wo": BuilderRecipe(precision="int8", extra_options=()),
+    "int4-wo": BuilderRecipe(precision="int4", extra_options=(("algo_config", "k_quant_mixed"),)),
+}
+
+
+def recipe_record(mode: str, group_size: int) -> dict:
+    """The settings specpipe's own quantizer (`quantize_weight_only`) uses for `mode`, for the manifest."""
+    recipe = RECIPES[mode]
+    return {"quantizer": "specpipe (onnxruntime MatMulNBitsQuantizer)", "body_bits": recipe.body_bits,
+            "head_bits": recipe.head_bits, "symmetric": recipe.symmetric, "block_size": group_size,
+            "accuracy_level": ACCURACY_LEVEL_INT8_COMPUTE}
+
+
 def quantize_weight_only(model, *, mode: str, group_size: int):
     """Quantize every constant-weight MatMul of `model` (an onnx ModelProto) by RECIPES[mode]."""
     recipe = RECIPES[mode]
