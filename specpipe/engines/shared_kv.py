@@ -156,7 +156,9 @@ class KVBatch(EngineBatch):
     def _grow(self, capacity: int) -> None:
         capacity = min(capacity, self.engine.max_seq_len)
         shape = (self.max_rows, self.engine.kv_heads, capacity, self.engine.head_dim)
-        grown = [np.zeros(shape, self.engine.kv_dtype) for _ in self.engine.past_names]
+        # Written now, not zero pages the OS maps on first touch: the server's memory is what it holds from
+        # here on, not something that creeps up as new rows are first used.
+        grown = [np.full(shape, 0, self.engine.kv_dtype) for _ in self.engine.past_names]
         for old, new in zip(self.buffers, grown):
             new[:, :, : self.capacity] = old
         self.buffers, self.capacity = grown, capacity
