@@ -70,7 +70,7 @@ def make_scheduler(target: Engine, drafter: Optional[Drafter], eos_token_ids, co
         target, drafter, eos_token_ids, costs,
         max_batch_size=serving.max_batch_size, max_queue=serving.max_queue, batch_costs=manifest.batch_costs,
         draft_schedule=parse_draft_schedule(serving.draft_schedule) if serving.draft_schedule else None,
-        prior_acceptance=manifest.draft_acceptance(),
+        prior_acceptance=manifest.draft_acceptance(), draft_batch_costs=manifest.draft_batch_costs,
     )
 
 

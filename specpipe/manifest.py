@@ -53,7 +53,7 @@ class EngineRecord(_Part):
     path: str  # the engine's folder, relative to the build folder (load_engine opens it)
     backend: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
     quant: QuantMode = "none"
-    graph: Literal["optimum", "genai"] = Field("optimum", description="which exporter made it (build/cpu.py target_graph)")
+    graph: Literal["optimum", "genai"] = Field("optimum", description="which exporter made it (build/cpu.py target_graph, draft_graph)")
     files: dict[str, str] = Field(default_factory=dict, description="file name -> sha256")
 
 
@@ -241,6 +241,7 @@ class Manifest(_Part):
     max_draft_len: int = 8
     step_costs: Optional[StepCosts] = None  # None: built before they were measured; the drafters' defaults apply
     batch_costs: Optional[BatchCosts] = None  # batched target steps by rows; None: batching saves nothing
+    draft_batch_costs: Optional[BatchCosts] = None  # batched draft steps by rows; None: each row drafts as if alone
     serving: ServingRecord = Field(default_factory=ServingRecord)
     machine: dict[str, Any] = Field(default_factory=dict, description="specpipe.machine: where step_costs and timings_s were measured")
     target: ModelEntry

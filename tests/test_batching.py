@@ -1,4 +1,5 @@
-"""Continuous batching: the shared-KV engine, the scheduler's exactness, planted batching bugs, load-aware K."""
+"""Continuous batching: the shared-KV engine, the scheduler's exactness, batched drafting, planted batching bugs,
+load-aware K."""
 
 import threading
 
@@ -21,8 +22,21 @@ from tests.test_decoding import CONTEXT, SAMPLED, chi_square_pvalue, first_two_t
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_build):
-    return load_deployment(tiny_build, threads=1)
+def batch_build(tiny_target, tiny_dir, tiny_tokenizer, tiny_engines_dir):
+    """tiny_target with an unrelated 1-layer draft whose head_dim (16) the builder's GroupQueryAttention takes
+    (tiny_draft's 8 it refuses): both engines are shared-KV, so the draft's steps batch too."""
+    from specpipe.build import build
+    from specpipe.config import BuildConfig
+    from specpipe.testing.tiny import make_tiny_llama
+
+    draft = make_tiny_llama(tiny_dir / "draft_hd16", seed=1, num_layers=1, hidden_size=64, tokenizer=tiny_tokenizer)
+    return build(BuildConfig(target=str(tiny_target), draft=str(draft), name="pair-batched",
+                             engines_dir=tiny_engines_dir, repo_dir=None))
+
+
+@pytest.fixture(scope="module")
+def pair(batch_build):
+    return load_deployment(batch_build, threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +66,30 @@ def test_build_makes_the_target_a_shared_kv_engine(pair):
     assert pair.manifest.target.engine.graph == "genai"
     assert set(pair.manifest.batch_costs.decode_ms) >= {1, 2, 16}
     assert pair.manifest.serving.max_batch_size == 16
+
+
+def test_build_makes_a_llama_draft_a_shared_kv_engine_too(pair):
+    assert isinstance(pair.drafter.engine, SharedKVEngine)
+    assert pair.manifest.draft.engine.graph == "genai"
+    costs = pair.manifest.draft_batch_costs
+    assert set(costs.decode_ms) >= {1, 2, 16}
+    assert isinstance(pair.drafter.for_batch(4).rows, KVBatch)
+
+
+def test_a_draft_the_builder_cannot_take_is_exported_with_optimum_and_says_why():
+    from types import SimpleNamespace
+
+    from specpipe.build.cpu import draft_graph
+    from specpipe.config import BuildConfig
+
+    cfg = BuildConfig(target="t", draft="d")
+    llama = SimpleNamespace(model_type="llama", head_dim=64)
+    assert draft_graph(cfg, llama, "genai") == ("genai", None)
+    assert draft_graph(cfg, llama, "optimum") == ("optimum", None)  # the draft follows the target's graph
+    assert "head_dim 8" in draft_graph(cfg, SimpleNamespace(model_type="llama", head_dim=8), "genai")[1]
+    assert "gpt2" in draft_graph(cfg, SimpleNamespace(model_type="gpt2", head_dim=64), "genai")[1]
+    calibrated = cfg.model_copy(update={"draft_quant": cfg.draft_quant.model_copy(update={"mode": "int8"})})
+    assert "quant int8" in draft_graph(calibrated, llama, "genai")[1]
 
 
 def test_rows_of_different_lengths_decode_together_as_torch_does(pair, torch_target):
@@ -189,6 +227,111 @@ def test_a_request_beyond_the_queue_is_refused_at_once(pair):
     first.close(), second.close()
 
 
+# ---- batched drafting ---------------------------------------------------------------------------------
+
+
+DRAFT_CFGS = [
+    GenerationConfig(seed=1, sampling=SamplingConfig(temperature=0.8, top_p=0.95)),  # adaptive: stops when unsure
+    GenerationConfig(seed=2, draft_length="fixed", num_draft_tokens=4),  # fixed: never stops early
+    GenerationConfig(seed=3, sampling=SamplingConfig(temperature=1.2, top_k=20)),
+    GenerationConfig(seed=4),  # greedy
+    GenerationConfig(seed=5, sampling=SamplingConfig(temperature=0.7), draft_length="fixed", num_draft_tokens=4),
+]
+
+
+def _proposals_match(deployment, rounds=8):
+    """Five requests drafted by propose_batch and, in parallel, each by its own session's propose, over rounds
+    of random K and random acceptance (1 or 2 tokens to catch up, or more after a K = 0 round); one request
+    leaves and another joins halfway (a draft row released, the last row moved into its slot). True when every
+    proposal matches: the same tokens and the same q."""
+    rng = np.random.default_rng(7)
+    batched = deployment.drafter.for_batch(len(DRAFT_CFGS))
+    cfgs = list(DRAFT_CFGS)
+    sessions = [batched.new_request(cfg) for cfg in cfgs]
+    alone = [deployment.drafter.new_request(cfg) for cfg in cfgs]
+    rngs = [(np.random.default_rng(cfg.seed), np.random.default_rng(cfg.seed)) for cfg in cfgs]
+    contexts = prompts_of([5, 40, 3, 17, 9])
+    for round_ in range(rounds):
+        if round_ == rounds // 2:  # request 0 leaves, a new one joins
+            sessions[0].close()
+            cfgs[0] = cfgs[0].model_copy(update={"seed": 11})
+            sessions[0], alone[0] = batched.new_request(cfgs[0]), deployment.drafter.new_request(cfgs[0])
+            rngs[0] = (np.random.default_rng(11), np.random.default_rng(11))
+            contexts[0] = prompts_of([5, 12, 3])[2]
+        ks = [int(k) for k in rng.integers(0, 6, size=len(cfgs))]
+        speculating = [i for i, k in enumerate(ks) if k > 0]  # the scheduler asks only for these
+        got = batched.propose_batch([sessions[i] for i in speculating], [contexts[i] for i in speculating],
+                                    [ks[i] for i in speculating], [cfgs[i].sampling for i in speculating],
+                                    [rngs[i][0] for i in speculating])
+        for proposal, i in zip(got, speculating):
+            wanted = alone[i].propose(contexts[i], ks[i], cfgs[i].sampling, rngs[i][1])
+            if proposal.tokens != wanted.tokens or (proposal.probs is None) != (wanted.probs is None):
+                return False
+            if proposal.probs is not None and not np.array_equal(proposal.probs, wanted.probs):
+                return False
+        for i in range(len(cfgs)):  # accept a random prefix, then a recovered or bonus token
+            drafted = got[speculating.index(i)].tokens if i in speculating else []
+            contexts[i] = contexts[i] + drafted[: int(rng.integers(0, len(drafted) + 1))] + [int(rng.integers(3, 300))]
+    return True
+
+
+def test_propose_batch_gives_each_row_what_it_proposes_alone(pair):
+    """Seeded sampling, greedy, fixed and adaptive K, early stops: the same tokens and q, bit for bit (an fp32
+    draft scores a row alike alone and in a batched call on this CPU)."""
+    assert _proposals_match(pair)
+
+
+def test_planted_bug_two_rows_draft_logits_swapped_fails(pair, monkeypatch):
+    original = KVBatch.decode
+
+    def swapped(self, rows, token_ids):
+        logits = original(self, rows, token_ids)
+        if self.engine is pair.drafter.engine and len(rows) > 1:
+            logits[[0, 1]] = logits[[1, 0]]  # the first two rows draft from each other's logits
+        return logits
+
+    monkeypatch.setattr(KVBatch, "decode", swapped)
+    assert not _proposals_match(pair)
+
+
+def _draft_rows_come_back(pair):
+    scheduler = scheduler_for(pair, max_batch_size=2)
+    prompts = prompts_of([5, 40, 3, 17, 9, 60])
+    cfg = GenerationConfig(max_new_tokens=12, stop_on_eos=False, draft_length="fixed", num_draft_tokens=3)
+    outputs, stats = batch_outputs(scheduler, prompts, [cfg] * 6)
+    assert all(out is not None and len(out) == 12 for out in outputs)
+    assert all(s.drafted > 0 for s in stats)
+    assert len(scheduler.drafter.rows.rows) == 0 and len(scheduler.batch.rows) == 0
+
+
+def test_draft_rows_come_back_when_requests_leave(pair):
+    """Six speculating requests through two slots: each leaves its draft row to the next."""
+    _draft_rows_come_back(pair)
+
+
+def test_planted_bug_a_draft_row_never_released_fails(pair, monkeypatch):
+    """The third request finds the draft batch full and fails at once (the scheduler serves on)."""
+    from specpipe.speculative.drafters import ModelDraftSession
+
+    monkeypatch.setattr(ModelDraftSession, "close", lambda self: None)
+    with pytest.raises(AssertionError):
+        _draft_rows_come_back(pair)
+
+
+def test_fixed_k_requests_draft_the_same_in_a_batch_as_alone(pair):
+    """With a fixed K a request's steps depend on its own context only, so batched drafting must draft and accept
+    exactly what the same request does through a one-slot scheduler (propose per row, never batched)."""
+    prompts = prompts_of([5, 40, 3, 17])
+    cfgs = [GenerationConfig(max_new_tokens=24, stop_on_eos=False, draft_length="fixed", num_draft_tokens=k, seed=i,
+                             sampling=SamplingConfig(temperature=0.9 if i % 2 else 0.0)) for i, k in enumerate([1, 3, 5, 2])]
+    _, batched = batch_outputs(scheduler_for(pair, prefill_chunk=16), prompts, cfgs, stagger=True)
+    single = scheduler_for(pair, max_batch_size=1)
+    for prompt, cfg, stats in zip(prompts, cfgs, batched):
+        alone_stats = SpecStats()
+        sum(single.decode(prompt, cfg, alone_stats), [])
+        assert (stats.drafted_at, stats.accepted_at) == (alone_stats.drafted_at, alone_stats.accepted_at)
+
+
 # ---- planted batching bugs must fail ----------------------------------------------------------------
 
 
@@ -306,6 +449,27 @@ def test_the_plan_keeps_speculation_for_requests_whose_drafts_pay():
 def test_without_batched_calls_speculation_is_judged_per_request():
     ks = plan_batch_draft_lengths([0.6] * 8, [3] * 8, COSTS, BatchCosts.unbatched(30.0))
     assert ks == [3] * 8
+
+
+def test_batched_drafting_makes_speculation_pay_where_lone_drafting_does_not():
+    """Two rows, a costly draft (c = 0.3): drafting alone, each row's 3 draft steps cost 27 ms and decoding both in
+    one call wins; drafting together, the 3 steps cost 28 ms for both rows and speculating wins."""
+    costs = StepCosts(draft=0.3, verify_per_token=0.04)
+    draft_batch = BatchCosts({1: 9.0, 2: 9.4, 4: 10.2, 8: 12.0})
+    assert plan_batch_draft_lengths([0.9] * 2, [3] * 2, costs, BATCHED) == [0, 0]
+    assert plan_batch_draft_lengths([0.9] * 2, [3] * 2, costs, BATCHED, draft_batch) == [3, 3]
+
+
+def test_a_manifest_without_draft_batch_costs_plans_as_before(pair):
+    from specpipe.manifest import Manifest
+
+    old = pair.manifest.as_dict()
+    del old["draft_batch_costs"]
+    manifest = Manifest.model_validate(old)
+    assert manifest.draft_batch_costs is None
+    scheduler = make_scheduler(pair.target, pair.drafter, [], pair.costs, manifest)
+    assert scheduler.draft_batch_costs is None
+    assert make_scheduler(pair.target, pair.drafter, [], pair.costs, pair.manifest).draft_batch_costs == pair.manifest.draft_batch_costs
 
 
 def test_batch_costs_interpolate_and_extrapolate():

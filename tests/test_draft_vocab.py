@@ -68,6 +68,7 @@ def test_sliced_engine_scores_exactly_the_kept_columns(sliced_build):
 
     manifest = json.loads((sliced_build / "manifest.json").read_text())
     assert manifest["draft"]["vocab"]["size"] == KEEP and 0 < manifest["draft"]["vocab"]["coverage"] < 1
+    assert manifest["draft"]["engine"]["graph"] == "genai"  # the builder's graph slices too: the draft still batches
     draft, target = load_engine(sliced_build / "draft"), load_engine(sliced_build / "target")
     ids = draft.token_ids
     assert draft.vocab_size == len(ids) == KEEP and list(ids) == sorted(set(ids.tolist()))
@@ -124,6 +125,7 @@ def test_a_quantized_sliced_draft_measures_its_accuracy_on_the_kept_tokens(capsy
     assert np.isfinite(accuracy["ppl_quant"]) and 0.5 < accuracy["top1_agreement"] <= 1
     for engine in ("draft", "draft-fp32"):  # the reference is sliced alike, so the two compare column for column
         assert json.loads((tmp_path / "q" / engine / "engine.json").read_text())["vocab_size"] == KEEP
+    assert json.loads((tmp_path / "q" / "draft" / "engine.json").read_text())["kv_layout"] == "shared"
 
 
 def test_draft_vocab_without_ranking_is_a_one_line_error(capsys, tiny_target, tiny_draft, tmp_path):

@@ -47,7 +47,7 @@ from specpipe.manifest import (
     file_hashes,
     write_manifest,
 )
-from specpipe.speculative.adaptive import StepCosts, measure_batch_costs
+from specpipe.speculative.adaptive import BatchCosts, StepCosts, measure_batch_costs
 from specpipe.triton.repository import DEFAULT_MODEL_NAME, write_repository
 
 Progress = Callable[[str], None]
@@ -110,10 +110,12 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         say(f"timing batched target steps (up to {cfg.backend.max_batch_size} requests) for load-adaptive K")
         batch_costs = measure_batch_costs(load_engine(stage / "target", threads=cfg.backend.threads,
                                                       min_rows=target_entry.min_rows_per_call), cfg.backend.max_batch_size)
+        draft_batch_costs = _measure_draft_batch_costs(stage, draft_entry, cfg, say)
         timings["total_s"] = time.perf_counter() - started
         write_manifest(stage, Manifest.new(
             name=name, build=json.loads(cfg.model_dump_json()), tokenizer=TokenizerRecord(path="tokenizer", hash=tokenizer_hash(tokenizer)),
             eos_token_ids=eos_token_ids, max_draft_len=cfg.max_draft_len, step_costs=costs, batch_costs=batch_costs,
+            draft_batch_costs=draft_batch_costs,
             serving=ServingRecord(max_batch_size=cfg.backend.max_batch_size, max_queue=cfg.backend.max_queue,
                                   draft_schedule=cfg.backend.draft_schedule),
             machine=describe_machine(cfg.backend.threads).as_dict(),  # where step_costs and timings_s were measured
@@ -142,7 +144,12 @@ def _build_draft(spec: str, kind: str, out: Path, stage: Path, cfg: BuildConfig,
         shutil.copytree(stage / "target", out / "draft", copy_function=_link_or_copy)
         engine = target_entry.engine.model_copy(update={"path": "draft"})
         return ModelDraft.of(target_entry, source=draft.source, engine=engine)
-    entry = _build_engine(draft, out / "draft", cfg, cfg.draft_quant, tokenizer, say, timings, "draft", vocab)
+    from specpipe.checkpoint import inspect_checkpoint
+
+    graph, why_not_genai = draft_graph(cfg, inspect_checkpoint(draft.path), target_entry.engine.graph)
+    if why_not_genai:
+        say(f"exporting the draft with optimum, not the target's builder graph ({why_not_genai}): it drafts row by row")
+    entry = _build_engine(draft, out / "draft", cfg, cfg.draft_quant, tokenizer, say, timings, "draft", vocab, graph)
     return ModelDraft.of(entry)
 
 
@@ -259,9 +266,9 @@ def _draft_vocab(cfg: BuildConfig, target, draft) -> Optional[dict]:
 
 
 def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progress, timings: dict, role: str,
-                  vocab: Optional[dict] = None) -> dict:
-    """Export one checkpoint, optimize it for ONNX Runtime, slice its head to `vocab` (a draft), check it
-    against torch, then quantize it.
+                  vocab: Optional[dict] = None, graph: Optional[str] = None) -> dict:
+    """Export one checkpoint with `graph`'s exporter (None: the target's choice, target_graph), optimize it for
+    ONNX Runtime, slice its head to `vocab` (a draft), check it against torch, then quantize it.
 
     A quantized engine keeps its unquantized reference beside it (<role>-fp32) so `validate --remeasure`
     can measure its accuracy again; the manifest records the accuracy numbers and the budget."""
@@ -269,7 +276,7 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
 
     info = inspect_checkpoint(ckpt.path)
     t0 = time.perf_counter()
-    graph = target_graph(cfg, info) if role == "target" else "optimum"
+    graph = graph or (target_graph(cfg, info) if role == "target" else "optimum")
     if graph == "genai":
         say(f"exporting {role} to ONNX (onnxruntime-genai's model builder: shared KV buffer, {info.num_layers} layers)")
         with tempfile.TemporaryDirectory(prefix="specpipe-export-") as raw:
@@ -376,6 +383,18 @@ def _auto_quant(reference: Path, out: Path, qcfg, tokenizer, checkpoint: Optiona
 # Architectures onnxruntime-genai's builder turns into the shared-KV graph that engines/shared_kv.py runs.
 GENAI_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma")
 GENAI_QUANT_MODES = ("none", "int4-wo", "int8-wo", "auto")
+GENAI_HEAD_DIM_MULTIPLE = 16  # ONNX Runtime's CPU GroupQueryAttention refuses other head sizes
+
+
+def builder_refusal(info, quant_mode: str) -> Optional[str]:
+    """Why the builder's shared-KV graph cannot take this checkpoint at this quantization; None when it can."""
+    if quant_mode not in GENAI_QUANT_MODES:
+        return f"quant {quant_mode}; the builder's graph takes {'/'.join(GENAI_QUANT_MODES)}"
+    if info.model_type not in GENAI_MODEL_TYPES:
+        return f"a {info.model_type} model; the builder's graph takes {'/'.join(GENAI_MODEL_TYPES)}"
+    if info.head_dim % GENAI_HEAD_DIM_MULTIPLE:
+        return f"head_dim {info.head_dim}; GroupQueryAttention on CPU takes multiples of {GENAI_HEAD_DIM_MULTIPLE}"
+    return None
 
 
 def target_graph(cfg: BuildConfig, info) -> str:
@@ -384,18 +403,27 @@ def target_graph(cfg: BuildConfig, info) -> str:
     (quantize/weight_only.py BUILDER_RECIPES), specpipe quantizes optimum's; calibrated modes (int8, fp8) and
     self-drafts are built for optimum's graph."""
     self_draft = any(spec.startswith("self:") for spec in cfg.draft)
-    possible = (cfg.quant.mode in GENAI_QUANT_MODES and info.model_type in GENAI_MODEL_TYPES and not self_draft)
-    if cfg.backend.target_graph == "optimum" or (cfg.backend.target_graph == "auto" and not possible):
+    refusal = builder_refusal(info, cfg.quant.mode) or ("a self: draft" if self_draft else None)
+    if cfg.backend.target_graph == "optimum" or (cfg.backend.target_graph == "auto" and refusal):
         return "optimum"
-    if not possible:
+    if refusal:
         raise UsageError(f"--target-graph genai takes a {'/'.join(GENAI_MODEL_TYPES)} target, --quant "
-                         f"{'/'.join(GENAI_QUANT_MODES)} and no self: draft (this one: {info.model_type}, quant "
-                         f"{cfg.quant.mode})")
+                         f"{'/'.join(GENAI_QUANT_MODES)} and no self: draft (this one: {refusal})")
     if importlib.util.find_spec("onnxruntime_genai") is None:
         if cfg.backend.target_graph == "genai":
             raise UsageError("--target-graph genai needs onnxruntime-genai (pip install onnxruntime-genai)")
         return "optimum"
     return "genai"
+
+
+def draft_graph(cfg: BuildConfig, info, target_graph_built: str) -> tuple[str, Optional[str]]:
+    """Which exporter makes a model draft: the builder ("genai", a shared-KV engine whose one-token steps batch
+    across requests: ModelDrafter.propose_batch) when the target was built with it and the draft can be, else
+    "optimum". Returns (graph, why a genai target's draft stays on optimum, or None)."""
+    if target_graph_built != "genai":
+        return "optimum", None
+    refusal = builder_refusal(info, cfg.draft_quant.mode)
+    return ("optimum", f"draft {refusal}") if refusal else ("genai", None)
 
 
 def _build_self_draft(spec: str, stage: Path, out: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict,
@@ -472,6 +500,17 @@ def _measure_step_costs(stage: Path, draft_entry: DraftEntry, cfg: BuildConfig, 
     engine = getattr(draft_entry, "engine", None)  # prompt lookup and none have no engine
     draft = load_engine(stage / engine.path, threads=cfg.backend.threads) if engine is not None else None
     return measure_step_costs(target, draft)
+
+
+def _measure_draft_batch_costs(stage: Path, draft_entry: DraftEntry, cfg: BuildConfig, say: Progress) -> Optional[BatchCosts]:
+    """Batched one-token steps of the draft engine by rows (a shared-KV draft runs them in one call; another
+    draft's rows cost n lone steps): what the batch planner charges the speculating rows' drafts. None
+    without a draft engine (prompt lookup, none)."""
+    engine = getattr(draft_entry, "engine", None)
+    if engine is None:
+        return None
+    say(f"timing batched draft steps (up to {cfg.backend.max_batch_size} requests)")
+    return measure_batch_costs(load_engine(stage / engine.path, threads=cfg.backend.threads), cfg.backend.max_batch_size)
 
 
 def _link_or_copy(src: str, dst: str) -> None:

@@ -52,6 +52,11 @@ class EngineSequence(ABC):
         Returns the logits of the positions that had to be (re)computed, the last of which predicts the
         token after `context`. At least the last token is always recomputed so there is a logit to return.
         """
+        return self.append(self.rewind_to(context))
+
+    def rewind_to(self, context: Sequence[int]) -> list[int]:
+        """`sync`'s first half: truncate the cache to the longest prefix it shares with `context` (never all of
+        it) and return the tokens still to append (at least one). A batch of rows can then append them together."""
         keep = 0
         for cached, wanted in zip(self.tokens, context):
             if cached != wanted:
@@ -59,7 +64,7 @@ class EngineSequence(ABC):
             keep += 1
         keep = min(keep, len(context) - 1)
         self.truncate(keep)
-        return self.append(context[keep:])
+        return [int(t) for t in context[keep:]]
 
     @abstractmethod
     def _forward(self, token_ids: list[int]) -> np.ndarray: ...

@@ -209,17 +209,21 @@ class BatchCosts:
 
 
 def plan_batch_draft_lengths(acceptances: list[float], preferred: list[int], costs: StepCosts,
-                             batch: BatchCosts) -> list[int]:
+                             batch: BatchCosts, draft_batch: BatchCosts | None = None) -> list[int]:
     """K for each request of one batched step (0 = no speculation): the choice of maximal goodput.
 
     A request that decodes joins the one batched call (each added row costs the batch's marginal step); a
     request that speculates with K runs its own call on 1 + K tokens (engines/shared_kv.py: ONNX Runtime
     cannot verify several rows' drafts in one call) and drafts K tokens, and emits E(K) = 1 + a + ... + a^K
-    tokens on average. Requests are ranked by how many tokens per ms speculation earns them, and the best j
-    speculate, for the j that maximises (tokens of the step) / (time of the step). At low load this is
+    tokens on average. Requests are ranked by how many tokens per ms speculation earns them alone, and the
+    best j speculate, for the j that maximises (tokens of the step) / (time of the step). At low load this is
     the single-request rule (speculate when E(K) / cost(K) beats one token per step); under load the
     batched call makes a decoded token cheaper than a verified one, and speculation turns off request by
     request. vLLM's and TensorRT-LLM's batch-size -> K tables say the same by hand (`draft_schedule`).
+
+    The speculating rows' drafts cost c K target steps each, as if alone; with `draft_batch` (the draft
+    engine's batched one-token steps, measured at build) their draft steps run together
+    (ModelDrafter.propose_batch): draft step s is one call over the rows with K >= s.
     Example, decode_ms {1: 30, 16: 90}, c = 0.05, b = 0.04, a = 0.6, K = 3: alone, 2.18 tokens / 39.3 ms beats
     1 / 30 ms; in a batch of 16, speculating one row adds 39.3 ms for 1.18 more tokens, while the batched
     call makes 16 tokens in 90 ms: every row decodes."""
@@ -232,18 +236,25 @@ def plan_batch_draft_lengths(acceptances: list[float], preferred: list[int], cos
     def lone_ms(k: int) -> float:
         return step_one * (1.0 + (costs.draft + costs.verify_per_token) * k)
 
+    def speculating_ms(ks: list[int]) -> float:
+        """The speculating rows' share of the step: each verifies alone; their drafts run alone or batched."""
+        if draft_batch is None:
+            return sum(lone_ms(k) for k in ks)
+        verify = sum(step_one * (1.0 + costs.verify_per_token * k) for k in ks)
+        return verify + sum(draft_batch.decode(sum(k >= s for k in ks)) for s in range(1, max(ks) + 1))
+
     gain = [expected_tokens(a, k) / lone_ms(k) if k > 0 else 0.0 for a, k in zip(acceptances, preferred)]
     order = sorted(range(n), key=lambda i: -gain[i])
     best_j, best_rate = 0, n / batch.decode(n) if n else 0.0
-    tokens, spec_ms = 0.0, 0.0
+    tokens, speculating = 0.0, []
     for j, i in enumerate(order, start=1):
         if preferred[i] <= 0:
             break
         tokens += expected_tokens(acceptances[i], preferred[i])
-        spec_ms += lone_ms(preferred[i])
+        speculating.append(preferred[i])
         # The batched call still spans the speculating rows' slots (they carry a dummy token), so it costs
         # decode(n) while any row decodes.
-        rate = (tokens + n - j) / (spec_ms + (batch.decode(n) if j < n else 0.0))
+        rate = (tokens + n - j) / (speculating_ms(speculating) + (batch.decode(n) if j < n else 0.0))
         if rate > best_rate:
             best_j, best_rate = j, rate
     chosen = set(order[:best_j])
@@ -261,9 +272,10 @@ def scheduled_draft_length(schedule: list[tuple[int, int]], batch_size: int) -> 
 
 
 def measure_batch_costs(target, max_rows: int, *, context_len: int = 64, repeats: int = 5) -> BatchCosts:
-    """Time batched one-token steps of the target for 1, 2, 4, ... up to `max_rows` rows, each row holding
-    a `context_len`-token cache (medians of `repeats`). An engine without batched calls is timed too: its
-    rows then cost n lone steps, which the planner reads as "batching saves nothing"."""
+    """Time batched one-token steps of the target (or of a draft: the manifest's draft_batch_costs) for 1, 2,
+    4, ... up to `max_rows` rows, each row holding a `context_len`-token cache (medians of `repeats`). An
+    engine without batched calls is timed too: its rows then cost n lone steps, which the planner reads as
+    "batching saves nothing"."""
     import statistics
     import time
 

@@ -9,7 +9,9 @@ running batch at any step and leave when done; one thread runs the steps. Each s
      the call with a prompt's last token also gives the request's first token (time to first token);
   1. choose K per request (0 = no speculation): the request's own adaptive K (adaptive.py), then
      `plan_batch_draft_lengths` for the batch (or the user's batch-size -> K table);
-  2. draft: each speculating request's drafter proposes up to K tokens x_1..x_K with their q;
+  2. draft: each speculating request's drafter proposes up to K tokens x_1..x_K with their q, all in one
+     `propose_batch` (a model draft's one-token steps run as batched calls over the rows still drafting;
+     prompt lookup runs per row);
   3. verify: requests without drafts append their last token in ONE batched target call; each request
      with drafts runs its own call on [last token, x_1..x_K] (engines/shared_kv.py says why);
   4. accept each x_i with min(1, p/q), resample the first rejection from norm(max(0, p - q)), or add the
@@ -75,11 +77,14 @@ class BatchScheduler:
     def __init__(self, target: Engine, drafter: Optional[Drafter], eos_token_ids: Sequence[int] = (),
                  costs: Optional[StepCosts] = None, *, max_batch_size: int = 8, max_queue: int = 64,
                  batch_costs: Optional[BatchCosts] = None, draft_schedule: Optional[list[tuple[int, int]]] = None,
-                 prefill_chunk: int = 256, prior_acceptance: Optional[float] = None):
-        self.target, self.drafter = target, drafter
+                 prefill_chunk: int = 256, prior_acceptance: Optional[float] = None,
+                 draft_batch_costs: Optional[BatchCosts] = None):
+        self.target = target
+        self.drafter = drafter.for_batch(max_batch_size) if drafter is not None else None  # a draft row per request
         self.eos_token_ids = set(int(t) for t in eos_token_ids)
         self.costs = costs or (drafter.default_costs() if drafter is not None else StepCosts(0.0, 0.0))
         self.batch_costs = batch_costs or BatchCosts.unbatched()
+        self.draft_batch_costs = draft_batch_costs  # None: each row's draft steps cost c each, as if alone
         self.draft_schedule = draft_schedule
         # The draft's acceptance as the build measured it: where each request's estimate starts (adaptive.py).
         self.prior_acceptance = prior_acceptance
@@ -139,23 +144,30 @@ class BatchScheduler:
                 self.step()
             except Exception as err:  # fail every running request, keep serving new ones
                 for request in list(self.running):
-                    request.out.put(err if isinstance(err, SpecpipeError) else RuntimeError(f"{type(err).__name__}: {err}"))
-                    self._finish(request, done=False)
+                    self._fail(request, err)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.waiting.popleft()
             if request.cancelled:
                 continue
-            request.context = list(request.prompt_ids)
-            request.rng = np.random.default_rng(request.cfg.seed)
-            request.row = self.batch.new_sequence()
-            speculating = request.cfg.speculative and self.drafter is not None
-            request.draft = self.drafter.new_request(request.cfg) if speculating else None
-            request.draft_len = draft_length_policy(request.cfg, self.costs)
-            if self.prior_acceptance is not None and hasattr(request.draft_len, "start_from"):
-                request.draft_len.start_from(self.prior_acceptance)
+            try:
+                self._open(request)
+            except Exception as err:  # a request that cannot start fails alone; the scheduler serves on
+                self._fail(request, err)
+                continue
             self.running.append(request)
+
+    def _open(self, request: _Request) -> None:
+        """Give an admitted request its target row, its draft session (a draft row when batched) and its K policy."""
+        request.context = list(request.prompt_ids)
+        request.rng = np.random.default_rng(request.cfg.seed)
+        request.row = self.batch.new_sequence()
+        speculating = request.cfg.speculative and self.drafter is not None
+        request.draft = self.drafter.new_request(request.cfg) if speculating else None
+        request.draft_len = draft_length_policy(request.cfg, self.costs)
+        if self.prior_acceptance is not None and hasattr(request.draft_len, "start_from"):
+            request.draft_len.start_from(self.prior_acceptance)
 
     def step(self) -> None:
         """One scheduling step over the running requests (module docstring, phases 0-4)."""
@@ -170,10 +182,9 @@ class BatchScheduler:
         # 1. How many tokens each request drafts.
         ks = self._draft_lengths(ready)
 
-        # 2. Draft.
+        # 2. Draft, all speculating requests together.
         t0 = time.perf_counter()
-        proposals = [r.draft.propose(r.context, k, r.cfg.sampling, r.rng) if k > 0 else Proposal.empty()
-                     for r, k in zip(ready, ks)]
+        proposals = self._propose(ready, ks)
         t1 = time.perf_counter()
 
         # 3. Verify: one batched call for the requests without drafts, one call each for the others.
@@ -191,6 +202,18 @@ class BatchScheduler:
         # 4. Accept or resample; emit; roll each cache back to its accepted tokens.
         for request, proposal, logits in zip(ready, proposals, target_logits):
             self._settle(request, proposal, logits, draft_s=t1 - t0, target_s=t2 - t1)
+
+    def _propose(self, ready: list[_Request], ks: list[int]) -> list[Proposal]:
+        """Each request's proposal for this step: empty where K = 0, the drafter's `propose_batch` for the rest."""
+        proposals = [Proposal.empty() for _ in ready]
+        speculating = [i for i, k in enumerate(ks) if k > 0]
+        if speculating:
+            drafted = self.drafter.propose_batch([ready[i].draft for i in speculating], [ready[i].context for i in speculating],
+                                                 [ks[i] for i in speculating], [ready[i].cfg.sampling for i in speculating],
+                                                 [ready[i].rng for i in speculating])
+            for i, proposal in zip(speculating, drafted):
+                proposals[i] = proposal
+        return proposals
 
     def _settle(self, request: _Request, proposal: Proposal, target_logits: np.ndarray, *, draft_s: float,
                 target_s: float) -> None:
@@ -241,7 +264,7 @@ class BatchScheduler:
             return [min(k, p) if r.draft is not None else 0 for r, p in zip(ready, preferred)]
         fixed = [r.cfg.draft_length == "fixed" for r in ready]
         acceptances = [getattr(r.draft_len, "acceptance", 0.5) for r in ready]
-        planned = plan_batch_draft_lengths(acceptances, preferred, self.costs, self.batch_costs)
+        planned = plan_batch_draft_lengths(acceptances, preferred, self.costs, self.batch_costs, self.draft_batch_costs)
         # A request that asked for a fixed K gets it (benchmarks sweep K); the plan decides for the rest.
         return [p if f else k for p, f, k in zip(preferred, fixed, planned)]
 
@@ -252,6 +275,14 @@ class BatchScheduler:
     def _finish(self, request: _Request, done: bool = True) -> None:
         if request in self.running:
             self.running.remove(request)
+        if request.row is not None:
             self.batch.release(request.row)
+            request.row = None
+        if request.draft is not None:
+            request.draft.close()  # a batched model draft frees its row
         if done:
             request.out.put(_DONE)
+
+    def _fail(self, request: _Request, err: Exception) -> None:
+        request.out.put(err if isinstance(err, SpecpipeError) else RuntimeError(f"{type(err).__name__}: {err}"))
+        self._finish(request, done=False)
