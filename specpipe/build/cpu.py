@@ -340,7 +340,9 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         t2 = time.perf_counter()
         reference = out.with_name(f"{role}-fp32")
         out.rename(reference)
-        checkpoint = ckpt.path if graph == "genai" else None  # the builder quantizes its own graph
+        # The builder quantizes its own graph from the checkpoint; a sliced head exists only in the exported graph
+        # (the builder would rebuild the full one), so specpipe's quantizer quantizes that graph instead.
+        checkpoint = ckpt.path if graph == "genai" and vocab is None else None
         if qcfg.mode == "auto":
             entry.quant = _auto_quant(reference, out, qcfg, tokenizer, checkpoint, cfg.backend.threads, say, role)
             entry.engine.quant = entry.quant.mode
