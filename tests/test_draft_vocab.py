@@ -140,3 +140,32 @@ def test_draft_vocab_needs_a_draft_model(capsys, tiny_target, tmp_path):
                            "--engines-dir", str(tmp_path), "--no-repo")
     assert code == 2 and "--draft-vocab applies to a draft model" in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())
+
+
+def test_slicing_a_head_whose_matrix_the_embedding_also_reads_leaves_the_embedding_whole():
+    """onnxruntime-genai's builder ties the embedding to the head's initializer (Transpose + Gather): slicing
+    it in place would cut the embedding's rows too (a planted in-place slice fails this)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specpipe.quantize.graph import slice_lm_head
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((4, 10)).astype(np.float32)  # [hidden, vocab]
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["head.weight"], ["table"], name="/embed/Transpose", perm=[1, 0]),
+         helper.make_node("Gather", ["table", "input_ids"], ["hidden"], name="/embed/Gather"),
+         helper.make_node("MatMul", ["hidden", "head.weight"], ["logits"], name="/lm_head/MatMul")],
+        "tied", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 2])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 2, 10])],
+        [numpy_helper.from_array(weight, "head.weight")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    keep = np.array([7, 2, 9])
+    slice_lm_head(model, keep)
+    onnx.checker.check_model(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = np.array([[8, 1]], dtype=np.int64)  # token 8 is not kept by the head; the embedding must still have it
+    logits = session.run(None, {"input_ids": ids})[0]
+    expected = weight.T[ids[0]] @ weight[:, keep]
+    np.testing.assert_allclose(logits[0], expected, rtol=1e-5, atol=1e-5)

@@ -139,7 +139,15 @@ def slice_lm_head(model, token_ids: np.ndarray) -> str:
     ids = np.asarray(token_ids, dtype=np.int64)
     if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= weight.shape[1]:
         raise ValueError(f"token ids must be a non-empty list within the head's {weight.shape[1]} columns")
-    init.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(weight[:, ids]), init.name))
+    sliced = numpy_helper.from_array(np.ascontiguousarray(weight[:, ids]), init.name)
+    if sum(name == init.name for n in model.graph.node for name in n.input) > 1:
+        # Another node reads the same matrix: onnxruntime-genai's builder ties the embedding to the head's
+        # initializer (a Transpose + Gather). The head gets a sliced copy of its own; the embedding keeps it whole.
+        sliced.name = f"{init.name}_sliced"
+        model.graph.initializer.append(sliced)
+        node.input[1] = sliced.name
+    else:
+        init.CopyFrom(sliced)
     for value in [*model.graph.output, *model.graph.value_info]:
         if value.name == "logits":
             vocab_dim = value.type.tensor_type.shape.dim[-1]
