@@ -17,6 +17,7 @@ from specpipe.bench.load import (
     SCHEMA, LevelRun, RequestRecord, find_local_server, itl_samples, make_report, percentile, process_tree_rss,
     read_reports, summarize_level,
 )
+from specpipe.triton.load import steady_tokens_per_s
 from specpipe.bench.load_report import print_table
 from specpipe.cli import main
 from specpipe.config import LoadConfig
@@ -24,6 +25,7 @@ from specpipe.errors import UsageError
 from tests.test_gate import one_line_error
 
 LEVEL_KEYS = {"concurrency", "requests", "errors", "error_messages", "wall_s", "output_tokens", "tokens_per_s",
+              "steady_tokens_per_s",
               "request_tokens_per_s_p50", "ttft_ms_p50", "ttft_ms_p95", "itl_ms_p50", "itl_ms_p95", "rss_mb",
               "drafted_per_token", "acceptance", "stagger_s", "records"}
 RECORD_KEYS = {"index", "stream", "sent_ms", "ttft_ms", "total_ms", "tokens", "responses", "steps", "drafted",
@@ -69,7 +71,19 @@ def test_level_statistics_follow_the_stated_conventions():
     assert row["itl_ms_p50"] == pytest.approx(10.0)
     assert row["itl_ms_p95"] == pytest.approx(17.5)
     assert row["request_tokens_per_s_p50"] == pytest.approx((4 / 0.14 + 5 / 0.33) / 2)
+    # Both users busy from 0 ms until user 0's last request ends at 140 ms: user 0's 4 tokens, none of user 1's.
+    assert row["steady_tokens_per_s"] == pytest.approx(4 / 0.14)
     assert row["rss_mb"] == {"start": 100.0, "end": 105.0, "max": 130.0, "growth_pct": pytest.approx(5.0), "samples": 3}
+
+
+def test_steady_rate_counts_only_the_window_where_every_user_is_busy():
+    records = [  # user 1 starts 100 ms late; user 0 stops after 400 ms
+        RequestRecord(0, 0, 0.0, total_ms=200.0, chunk_ms=[50.0, 200.0], chunk_tokens=[1, 3]),  # 1 token before 100
+        RequestRecord(1, 1, 100.0, total_ms=400.0, chunk_ms=[100.0, 400.0], chunk_tokens=[2, 2]),  # 2 after 400
+        RequestRecord(2, 0, 200.0, total_ms=200.0, chunk_ms=[100.0, 200.0], chunk_tokens=[5, 5]),
+    ]
+    assert steady_tokens_per_s(records, 2) == pytest.approx((3 + 2 + 5 + 5) / 0.3)
+    assert steady_tokens_per_s(records[:1], 2) is None  # a user that sent nothing: no window
 
 
 def test_a_level_with_nothing_measured_reports_none_not_nan():

@@ -11,6 +11,8 @@ Conventions, per level:
   the same request, gives n samples of gap / n ms. Percentiles are over every token of the level, as a reader
   of the streams sees them. (Speculation delivers several tokens per response: 40 ms for 4 tokens is 4 x 10 ms.)
 - tokens_per_s (aggregate): all tokens of the level / its wall time (first request sent -> last one done).
+- steady_tokens_per_s: tokens that arrived while every user had a request in flight / that window (the last
+  user's first request sent -> the first user's last request done): no ramp-up, no tail; runs compare on it.
 - request_tokens_per_s: a request's tokens / its latency (sent -> last response, queueing included); p50.
 - errors: requests the server refused, or that failed or timed out on the way, each with its message. They count
   in `requests` and `errors` and in no latency statistic.

@@ -23,7 +23,7 @@ def print_table(report: dict, console=None) -> None:
                   padding=0, pad_edge=False)  # the box's column separator is the gap
     table.add_column("run", overflow="fold", min_width=12)
     # Two-line headers (a p95 column follows its p50) so the table fits 80 columns; the JSON has the full names.
-    for column in ("users", "errors", "tok/s\nall", "tok/s\nreq p50", "TTFT s\np50", "\np95", "ITL ms\np50", "\np95",
+    for column in ("users", "errors", "tok/s\nall", "\nsteady", "tok/s\nreq p50", "TTFT s\np50", "\np95", "ITL ms\np50", "\np95",
                    "RSS MB\nmax", "\n+%"):
         table.add_column(column, justify="right", no_wrap=True)
     for number, run in enumerate(report["runs"]):
@@ -34,7 +34,8 @@ def print_table(report: dict, console=None) -> None:
             errors = f"{level['errors']}/{level['requests']}"
             table.add_row(
                 "" if row else run["label"], str(level["concurrency"]), f"[red]{errors}[/]" if level["errors"] else errors,
-                _fmt(level["tokens_per_s"], ".1f"), _fmt(level["request_tokens_per_s_p50"], ".1f"),
+                _fmt(level["tokens_per_s"], ".1f"), _fmt(level.get("steady_tokens_per_s"), ".1f"),
+                _fmt(level["request_tokens_per_s_p50"], ".1f"),
                 _fmt(level["ttft_ms_p50"], ".2f", 1e-3), _fmt(level["ttft_ms_p95"], ".2f", 1e-3),
                 _fmt(level["itl_ms_p50"], ".0f"), _fmt(level["itl_ms_p95"], ".0f"),
                 _fmt(rss.get("max"), ".0f"), _fmt(rss.get("growth_pct"), "+.1f") + ("%" if rss.get("growth_pct") is not None else ""),
@@ -48,7 +49,7 @@ def print_table(report: dict, console=None) -> None:
                       + (f" (drafts/token {level['drafted_per_token']:.2f}, accepted {_fmt(level['acceptance'], '.0%')})"
                          if level.get("drafted_per_token") else "")
                       for level, other in zip(run["levels"], base["levels"])]
-            console.print(f"{run['label']} / target-only, aggregate tokens/s by users: " + ", ".join(ratios))
+            console.print(f"{run['label']} / target-only, steady aggregate tokens/s by users: " + ", ".join(ratios))
     for run in report["runs"]:
         settings = run["settings"]
         k = "the deployment's" if settings["num_draft_tokens"] is None else str(settings["num_draft_tokens"])
@@ -60,10 +61,13 @@ def print_table(report: dict, console=None) -> None:
                 console.print(f"  {level['concurrency']} users, {count} x error: {message}")
 
 
-def _ratio(level: dict, base: dict) -> Optional[float]:
-    if level["tokens_per_s"] is None or not base["tokens_per_s"]:
+def _ratio(level: dict, base: dict, key: str = "steady_tokens_per_s") -> Optional[float]:
+    """The two runs' ratio on the steady-state rate (every user busy), else on the whole level's."""
+    if level.get(key) is None or not base.get(key):
+        key = "tokens_per_s"
+    if level[key] is None or not base[key]:
         return None
-    return level["tokens_per_s"] / base["tokens_per_s"]
+    return level[key] / base[key]
 
 
 def plot(report: dict, path: Path) -> Path:

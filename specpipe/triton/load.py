@@ -163,6 +163,7 @@ def summarize_level(level: LevelRun) -> dict:
         "wall_s": level.wall_s,
         "output_tokens": tokens,
         "tokens_per_s": tokens / level.wall_s if level.wall_s > 0 else None,
+        "steady_tokens_per_s": steady_tokens_per_s(done, level.concurrency),
         "request_tokens_per_s_p50": percentile(request_rates, 50),
         "ttft_ms_p50": percentile(ttft, 50),
         "ttft_ms_p95": percentile(ttft, 95),
@@ -174,6 +175,24 @@ def summarize_level(level: LevelRun) -> dict:
         "drafted_per_token": drafted_tokens / tokens if drafted and tokens else (0.0 if drafted else None),
         "acceptance": sum(r.accepted for r in drafted) / drafted_tokens if drafted_tokens else None,
     }
+
+
+def steady_tokens_per_s(records: list[RequestRecord], concurrency: int) -> Optional[float]:
+    """Aggregate tokens/s while every user had a request in flight: from the last user's first request to the
+    end of the first user's last one (tokens counted by when their response arrived). The level's own rate
+    also counts the ramp-up and the tail, where fewer users are left; this one is what the server does at
+    `concurrency`, so two runs compare on it. None when the window is empty or some user sent nothing."""
+    streams: dict[int, list[RequestRecord]] = {}
+    for record in records:
+        streams.setdefault(record.stream, []).append(record)
+    if len(streams) < concurrency or any(r.total_ms is None for r in records):
+        return None
+    start = max(min(r.sent_ms for r in rs) for rs in streams.values())
+    end = min(max(r.sent_ms + r.total_ms for r in rs) for rs in streams.values())
+    if end <= start:
+        return None
+    tokens = sum(n for r in records for at, n in zip(r.chunk_ms, r.chunk_tokens) if start <= r.sent_ms + at <= end)
+    return tokens / ((end - start) / 1e3)
 
 
 def percentile(values: list[float], q: float) -> Optional[float]:
