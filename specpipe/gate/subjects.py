@@ -69,7 +69,7 @@ class Subject(ABC):
 
     @abstractmethod
     def timed_run(
-        self, prompts: Sequence[str], max_new_tokens: int, num_draft_tokens: int, concurrency: int, requests: int,
+        self, prompts: Sequence[str], max_new_tokens: int, num_draft_tokens: Optional[int], concurrency: int, requests: int,
         warmup: int, tick: Tick,
     ) -> TimedRun:
         """Greedy requests over `prompts` (round robin) with `concurrency` in flight; warm-up not measured."""
@@ -110,7 +110,9 @@ class InProcessSubject(Subject):
         self.sampler = SpeculativeDecoder(MemoEngine(deployment.target), drafter, deployment.generator.decoder.eos_token_ids,
                                           deployment.costs)
 
-    def _config(self, max_new_tokens: int, num_draft_tokens: int, **fields) -> GenerationConfig:
+    def _config(self, max_new_tokens: int, num_draft_tokens: Optional[int], **fields) -> GenerationConfig:
+        if num_draft_tokens is None:  # as deployed: the deployment's own draft length (adaptive K, the batch plan)
+            return self.reference.generation_config(max_new_tokens=max_new_tokens, **fields)
         if num_draft_tokens == 0:
             return self.reference.generation_config(max_new_tokens=max_new_tokens, speculative=False, **fields)
         return self.reference.generation_config(
