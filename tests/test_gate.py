@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import pytest
 
-from specpipe.cli import main
+from tests.test_cli_core import run_cli
 from specpipe.config import GateConfig
 from specpipe.gate import goodness, load_gate, run_gate
 from specpipe.speculative.verify import PLANTED_BIAS_ENV
@@ -50,11 +50,7 @@ def write_toml(path, text: str):
 
 def validate(capsys, *args) -> tuple[int, str, str]:
     """`specpipe validate ARGS` through the real entry point: (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exc:
-        main(["validate", *map(str, args)])
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return exc.value.code or 0, out, err
+    return run_cli(capsys, "validate", *map(str, args))
 
 
 def one_line_error(err: str) -> str:

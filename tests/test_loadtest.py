@@ -19,7 +19,7 @@ from specpipe.bench.load import (
 )
 from specpipe.triton.load import steady_tokens_per_s
 from specpipe.bench.load_report import print_table
-from specpipe.cli import main
+from tests.test_cli_core import run_cli
 from specpipe.config import LoadConfig
 from specpipe.errors import UsageError
 from tests.test_gate import one_line_error
@@ -35,11 +35,7 @@ RUN_KEYS = {"label", "target", "model", "started", "settings", "served", "machin
 
 def loadtest(capsys, *args) -> tuple[int, str, str]:
     """`specpipe loadtest ARGS` through the real entry point: (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exc:
-        main(["loadtest", *map(str, args)])
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return exc.value.code or 0, out, err
+    return run_cli(capsys, "loadtest", *map(str, args))
 
 
 # ---- statistics on hand-made timings ---------------------------------------------------------------
