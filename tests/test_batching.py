@@ -2,6 +2,8 @@
 load-aware K."""
 
 import threading
+import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from specpipe.engines.shared_kv import KVBatch, SharedKVEngine
 from specpipe.speculative import SpecStats
 from specpipe.speculative.adaptive import BatchCosts, StepCosts, plan_batch_draft_lengths, scheduled_draft_length
 from specpipe.speculative.batching import BatchScheduler, ServerBusyError
+from specpipe.speculative.drafters import Proposal
 from specpipe.speculative.ngram import NgramDrafter
 from specpipe.config import NgramConfig
 from specpipe.testing.greedy import assert_greedy_equivalent
@@ -113,6 +116,179 @@ def test_rows_of_different_lengths_decode_together_as_torch_does(pair, torch_tar
     np.testing.assert_allclose(logits[0], references[1][len(prompts[1]) + 5], atol=1e-4)
     np.testing.assert_allclose(logits[1], references[2][len(prompts[2]) + 4], atol=1e-4)
     np.testing.assert_allclose(logits[2], references[3][len(prompts[3]) + 4], atol=1e-4)
+
+
+def test_new_rows_prompts_prefill_together_as_torch_does(pair, torch_target):
+    """Whole prompts of different lengths in one first-prompt call (right padding); each row's last logits and
+    its next decode match torch; a row already running keeps its cache."""
+    batch = pair.target.new_batch(4)
+    running = batch.new_sequence()
+    running.append([5, 6, 7])
+    prompts = prompts_of([9, 4, 13])
+    rows = [batch.new_sequence() for _ in prompts]
+    logits = batch.prefill(rows, prompts)
+    for i, p in enumerate(prompts):
+        np.testing.assert_allclose(logits[i], torch_logits(torch_target, p)[-1], atol=1e-4)
+        assert rows[i].tokens == p
+    step = batch.decode([running, *rows], [8, 1, 2, 3])
+    np.testing.assert_allclose(step[0], torch_logits(torch_target, [5, 6, 7, 8])[-1], atol=1e-4)
+    for i, (p, t) in enumerate(zip(prompts, [1, 2, 3])):
+        np.testing.assert_allclose(step[i + 1], torch_logits(torch_target, p + [t])[-1], atol=1e-4)
+    with pytest.raises(Exception, match="nothing cached"):
+        batch.prefill([running], [[1, 2]])
+
+
+def test_planted_bug_prefill_reading_the_padded_position_fails(pair, torch_target, monkeypatch):
+    """A batched prefill that takes every row's logits at the longest prompt's end (padding) must fail."""
+    import specpipe.engines.shared_kv as shared_kv
+
+    original = shared_kv.SharedKVEngine.run
+
+    def padded_end(self, buffers, input_ids, lengths, preempt=None, new_lengths=None):
+        out = original(self, buffers, input_ids, lengths, preempt, new_lengths)
+        if new_lengths is not None:
+            out[np.arange(len(out)), new_lengths - 1] = out[:, -1]
+        return out
+
+    monkeypatch.setattr(shared_kv.SharedKVEngine, "run", padded_end)
+    prompts = prompts_of([9, 4, 13])
+    batch = pair.target.new_batch(3)
+    logits = batch.prefill([batch.new_sequence() for _ in prompts], prompts)
+    with pytest.raises(AssertionError):
+        for i, p in enumerate(prompts):
+            np.testing.assert_allclose(logits[i], torch_logits(torch_target, p)[-1], atol=1e-4)
+
+
+def test_a_stopped_decode_leaves_every_row_as_it_was(pair, torch_target):
+    """Preemption: a request while the call runs stops it (or, asked before, stops the next call as it starts);
+    the rows keep their lengths and the same call then gives the same logits. A late or cleared request does not."""
+    from specpipe.engines.base import Preempted, Preemption
+
+    batch = pair.target.new_batch(3)
+    rows = [batch.new_sequence() for _ in range(3)]
+    for row, p in zip(rows, prompts_of([5, 8, 3])):
+        row.append(p)
+    lengths = [len(r) for r in rows]
+    preempt = Preemption(window_s=60.0)
+    assert preempt.request() is False and preempt.pending  # nothing runs: kept for the next call
+    with pytest.raises(Preempted):
+        batch.decode(rows, [1, 2, 3], preempt)
+    assert [len(r) for r in rows] == lengths and not preempt.pending
+    preempt.request()
+    preempt.clear()  # the caller has seen the newcomer: the call runs
+    first = batch.decode(rows, [1, 2, 3], preempt)
+    assert [len(r) for r in rows] == [n + 1 for n in lengths]
+    for row in rows:
+        row.truncate(len(row) - 1)
+
+    class AskedLate(Preemption):  # asked once the call runs, past its window: it finishes
+        @contextmanager
+        def running(self, stop):
+            with super().running(stop):
+                time.sleep(0.002)
+                self.answers.append(self.request())
+                yield
+
+    late = AskedLate(window_s=0.001)
+    late.answers = []
+    np.testing.assert_array_equal(batch.decode(rows, [1, 2, 3], late), first)
+    assert late.answers == [False]
+
+
+def _settle_order(scheduler):
+    """(request's first prompt token, tokens it has produced, batched steps run) in the order of emission."""
+    order, original = [], scheduler._settle
+
+    def settle(request, proposal, logits, **kw):
+        original(request, proposal, logits, **kw)
+        order.append((request.prompt_ids[0], request.produced, scheduler.steps_run))
+
+    scheduler._settle = settle
+    return order
+
+
+def test_a_newcomer_stops_the_running_decode_and_gets_its_first_token_first(pair, monkeypatch):
+    """A request arriving while a batched decode runs: that decode stops, the newcomer's prompt runs, and its
+    first token comes before the running requests' next ones; every output still equals its batch-1 output."""
+    scheduler = scheduler_for(pair, max_batch_size=4)
+    cfg = GenerationConfig(max_new_tokens=12, stop_on_eos=False, speculative=False)
+    prompts = [[11, *prompts_of([6, 6])[0]], [12, *prompts_of([6, 6])[1][:5]], [13, 5, 9, 44]]
+    order = _settle_order(scheduler)
+    streams, arrived = {}, threading.Event()
+    original = KVBatch.decode
+
+    def decode_while_a_request_arrives(self, rows, token_ids, preempt=None):
+        if preempt is not None and len(rows) == 2 and not arrived.is_set():
+            arrived.set()  # the third user's request arrives during this call
+            streams[2] = scheduler.decode(prompts[2], cfg, SpecStats())
+        return original(self, rows, token_ids, preempt)
+
+    monkeypatch.setattr(KVBatch, "decode", decode_while_a_request_arrives)
+    outputs, _ = batch_outputs(scheduler, prompts[:2], [cfg, cfg])
+    third = sum(streams[2], [])
+    assert scheduler.preemptions >= 1
+    first_of_third = next(i for i, (who, n, _) in enumerate(order) if (who, n) == (13, 1))
+    assert all(n <= 2 for _, n, _ in order[:first_of_third])  # nobody's third token came before it
+    for prompt, out in zip(prompts, [*outputs, third]):
+        assert_greedy_equivalent(pair, prompt, out, alone(pair, prompt, cfg))
+
+
+def test_planted_bug_a_stopped_decode_that_keeps_its_tokens_fails(pair, monkeypatch):
+    """If a stopped call had already advanced its rows, the retried step would feed each token twice."""
+    from specpipe.engines.base import Preempted
+
+    original = KVBatch.decode
+    calls = []
+
+    def advance_then_stop(self, rows, token_ids, preempt=None):
+        if preempt is not None and len(rows) > 1 and len(calls) % 3 == 0:
+            calls.append(1)
+            for row, token in zip(rows, token_ids):
+                row.tokens.append(int(token))  # the bug: rows advanced by a call that did not finish
+            raise Preempted()
+        calls.append(0)
+        return original(self, rows, token_ids, preempt)
+
+    monkeypatch.setattr(KVBatch, "decode", advance_then_stop)
+    assert not _equivalence_holds(pair)
+    assert sum(calls) > 0
+
+
+def _start_together(pair):
+    """Four requests that wait together (one prefill call gives all four their first tokens): the batched step in
+    which each got its second token and its last, and whether every output equals its batch-1 output."""
+    scheduler = scheduler_for(pair, max_batch_size=4)
+    cfg = GenerationConfig(max_new_tokens=10, stop_on_eos=False, speculative=False)
+    prompts = [[20 + i, *p] for i, p in enumerate(prompts_of([4, 7, 5, 6]))]
+    order = _settle_order(scheduler)
+    with scheduler._wake:  # the scheduler sees all four at once
+        streams = [scheduler.decode(p, cfg, SpecStats()) for p in prompts]
+    outputs = [sum(stream, []) for stream in streams]
+    step_of = {(who, n): step for who, n, step in order}
+    assert {step_of[(p[0], 1)] for p in prompts} == {0}  # the prefill, before any batched step
+    exact = True
+    for prompt, out in zip(prompts, outputs):
+        try:
+            assert_greedy_equivalent(pair, prompt, out, alone(pair, prompt, cfg))
+        except AssertionError:
+            exact = False
+    return [step_of[(p[0], 2)] for p in prompts], [step_of[(p[0], cfg.max_new_tokens)] for p in prompts], exact
+
+
+def test_requests_that_start_together_join_the_batch_one_step_apart(pair):
+    """...so they end in four different steps, and their users' next requests do not arrive together."""
+    seconds, lasts, exact = _start_together(pair)
+    assert sorted(seconds) == [1, 2, 3, 4] and len(set(lasts)) == 4 and exact
+
+
+def test_planted_bug_requests_that_start_together_join_together_fails(pair, monkeypatch):
+    def join_at_once(self, request, logits, target_s):
+        request.joins = self._steps_done + 1
+        self._settle(request, Proposal.empty(), logits, draft_s=0.0, target_s=target_s)
+
+    monkeypatch.setattr(BatchScheduler, "_started", join_at_once)
+    seconds, lasts, exact = _start_together(pair)
+    assert exact and len(set(lasts)) == 1  # the same tokens, but all four end in one step: the test above fails
 
 
 def test_the_buffer_grows_past_its_first_capacity(pair, torch_target):
@@ -284,8 +460,8 @@ def test_propose_batch_gives_each_row_what_it_proposes_alone(pair):
 def test_planted_bug_two_rows_draft_logits_swapped_fails(pair, monkeypatch):
     original = KVBatch.decode
 
-    def swapped(self, rows, token_ids):
-        logits = original(self, rows, token_ids)
+    def swapped(self, rows, token_ids, preempt=None):
+        logits = original(self, rows, token_ids, preempt)
         if self.engine is pair.drafter.engine and len(rows) > 1:
             logits[[0, 1]] = logits[[1, 0]]  # the first two rows draft from each other's logits
         return logits
@@ -351,8 +527,8 @@ def test_planted_bug_rows_getting_each_others_logits_fails(pair, monkeypatch):
     assert _equivalence_holds(pair)
     original = KVBatch.decode
 
-    def swapped(self, rows, token_ids):
-        logits = original(self, rows, token_ids)
+    def swapped(self, rows, token_ids, preempt=None):
+        logits = original(self, rows, token_ids, preempt)
         return logits[::-1] if len(rows) > 1 else logits  # row i's logits judge row n-1-i's tokens
 
     monkeypatch.setattr(KVBatch, "decode", swapped)

@@ -9,9 +9,12 @@ Sequences of one engine may run in different threads at once.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -73,6 +76,59 @@ class EngineSequence(ABC):
     def _truncate_cache(self, length: int) -> None: ...
 
 
+class Preempted(Exception):
+    """A preemptible call was stopped before it finished; its rows are as they were before it."""
+
+
+class Preemption:
+    """Lets another thread stop a running call that its caller marked preemptible (speculative/batching.py: a
+    new request stops a batched decode so that its prompt runs first).
+
+    The engine arms it around the call with a way to stop that call (`running(stop)`); `request()` stops the
+    call if one is armed and less than `window_s` has passed since it started (later, finishing costs the
+    waiter less than what stopping would throw away). A request while nothing is armed is kept (`pending`)
+    and stops the next call as it starts, unless the caller `clear()`s it first (it has seen the newcomer).
+    An engine that cannot stop a call never arms it.
+    """
+
+    def __init__(self, window_s: float = 0.0):
+        self.window_s = window_s
+        self.requested = False  # the armed call was asked to stop
+        self.pending = False  # asked while nothing was armed
+        self._lock = threading.Lock()
+        self._stop: Optional[Callable[[], None]] = None
+        self._until = 0.0
+
+    @contextmanager
+    def running(self, stop: Callable[[], None]) -> Iterator[None]:
+        with self._lock:
+            self._stop, self._until, self.requested = stop, time.perf_counter() + self.window_s, self.pending
+            self.pending = False
+            if self.requested:
+                stop()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._stop = None
+
+    def request(self) -> bool:
+        """Stop the armed call, if any and if still early enough, or the next one. True when a call was asked."""
+        with self._lock:
+            if self._stop is None:
+                self.pending = True
+                return False
+            if self.requested or time.perf_counter() > self._until:
+                return False
+            self.requested = True
+            self._stop()
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self.pending = False
+
+
 class EngineBatch:
     """Sequences of one engine whose one-token steps run together (continuous batching).
 
@@ -95,13 +151,23 @@ class EngineBatch:
     def release(self, row: EngineSequence) -> None:
         self.rows.remove(row)
 
-    def decode(self, rows: Sequence[EngineSequence], token_ids: Sequence[int]) -> np.ndarray:
-        """Logits [len(rows), vocab] of each row after its token."""
+    def decode(self, rows: Sequence[EngineSequence], token_ids: Sequence[int],
+               preempt: Optional[Preemption] = None) -> np.ndarray:
+        """Logits [len(rows), vocab] of each row after its token. `preempt`: the call may be stopped (raises
+        `Preempted`, rows unchanged); this default runs rows one by one and is never stopped."""
         if len(rows) != len(token_ids):
             raise ValueError(f"{len(rows)} rows but {len(token_ids)} tokens")
         if not rows:
             return np.zeros((0, self.engine.vocab_size), np.float32)
         return np.stack([row.append([token])[-1] for row, token in zip(rows, token_ids)])
+
+    def prefill(self, rows: Sequence[EngineSequence], prompts: Sequence[Sequence[int]],
+                preempt: Optional[Preemption] = None) -> np.ndarray:
+        """Append each row's whole prompt: logits [len(rows), vocab] at each prompt's last position. This default
+        runs rows one by one and is never stopped; engines/shared_kv.py runs them in one call."""
+        if len(rows) != len(prompts):
+            raise ValueError(f"{len(rows)} rows but {len(prompts)} prompts")
+        return np.stack([row.append(prompt)[-1] for row, prompt in zip(rows, prompts)])
 
 
 class Engine(ABC):

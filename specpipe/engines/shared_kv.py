@@ -10,7 +10,11 @@ nothing is copied (the concat graph copies the whole cache every step and expand
 One limit decides the design (ONNX Runtime 1.32, CPU): a call with more than one row AND more than one new
 token per row is refused ("batch_size must be 1 when sequence_length > 1 and past context is given"). So
 `KVBatch.decode` runs one new token for every row in one call (batched decoding), and a row's multi-token
-call (prefill chunk, speculative verify) runs alone on that row's slice of the buffer, in place.
+call (prefill chunk, speculative verify) runs alone on that row's slice of the buffer, in place. The one
+exception is rows' first prompts: with nothing cached, each row's mask marks its own prompt length within
+the longest one (right padding), and `KVBatch.prefill` runs new requests' whole prompts in one call
+(GroupQueryAttention's first-prompt path: the logits at each row's last position are those of the row alone,
+measured bit-identical here; tests/test_batching.py).
 
 Rows live in slots 0..n-1 of one buffer [max_rows, kv_heads, capacity, head_dim]: a batched call takes the
 first n slots as one contiguous view; releasing a row moves the last row into its slot (one row's copy).
@@ -21,11 +25,20 @@ overwrites them. That is what lets a batched call carry rows that have nothing t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
-from specpipe.engines.base import ENGINE_META, Engine, EngineBatch, EngineSequence, meta_token_ids, read_engine_meta
+from specpipe.engines.base import (
+    ENGINE_META,
+    Engine,
+    EngineBatch,
+    EngineSequence,
+    Preempted,
+    Preemption,
+    meta_token_ids,
+    read_engine_meta,
+)
 from specpipe.errors import EngineError
 
 MODEL_FILE = "model.onnx"
@@ -76,14 +89,18 @@ class SharedKVEngine(Engine):
     def new_batch(self, max_rows: int) -> "KVBatch":
         return KVBatch(self, max_rows)
 
-    def run(self, buffers: list[np.ndarray], input_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    def run(self, buffers: list[np.ndarray], input_ids: np.ndarray, lengths: np.ndarray,
+            preempt: Optional[Preemption] = None, new_lengths: Optional[np.ndarray] = None) -> np.ndarray:
         """One session call. `buffers`: per KV input, [rows, kv_heads, capacity, head_dim] (written in place);
-        input_ids [rows, n]; lengths [rows]: each row's cached tokens before the call. Returns logits
-        [rows, n, vocab]."""
+        input_ids [rows, n]; lengths [rows]: each row's cached tokens before the call; new_lengths [rows]: the
+        tokens of each row's input that are real (right padding; default all n). Returns logits [rows, n, vocab].
+        `preempt`: another thread may stop the call (ONNX Runtime's RunOptions.terminate, checked before each
+        node: it returns within a node's time); then this raises `Preempted`. What the stopped call wrote lies
+        past each row's length, where nothing reads it (module docstring)."""
         import onnxruntime as ort
 
         rows, new = input_ids.shape
-        totals = lengths + new
+        totals = lengths + (new if new_lengths is None else new_lengths)
         mask = (np.arange(int(totals.max()))[None, :] < totals[:, None]).astype(np.int64)  # [rows, total]
         binding = self.session.io_binding()
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
@@ -93,7 +110,17 @@ class SharedKVEngine(Engine):
             value = ort.OrtValue.ortvalue_from_numpy(buffer)  # wraps the memory: no copy
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
-        self.session.run_with_iobinding(binding)
+        if preempt is None:
+            self.session.run_with_iobinding(binding)
+            return binding.get_outputs()[0].numpy()
+        run_options = ort.RunOptions()
+        with preempt.running(lambda: setattr(run_options, "terminate", True)):
+            try:
+                self.session.run_with_iobinding(binding, run_options)
+            except Exception:  # onnxruntime's RuntimeError "Exiting due to terminate flag being set to true"
+                if preempt.requested:
+                    raise Preempted() from None
+                raise
         return binding.get_outputs()[0].numpy()
 
 
@@ -126,8 +153,10 @@ class KVBatch(EngineBatch):
             self.rows[slot] = last
         row.slot = -1
 
-    def decode(self, rows: Sequence[EngineSequence], token_ids: Sequence[int]) -> np.ndarray:
-        """Append one token to each of `rows` in one call. Returns logits [len(rows), vocab]."""
+    def decode(self, rows: Sequence[EngineSequence], token_ids: Sequence[int],
+               preempt: Optional[Preemption] = None) -> np.ndarray:
+        """Append one token to each of `rows` in one call. Returns logits [len(rows), vocab]. `preempt`: the
+        call may be stopped (`Preempted`, rows unchanged); a lone row's call is not, as `append` writes it."""
         if len(rows) != len(token_ids):
             raise ValueError(f"{len(rows)} rows but {len(token_ids)} tokens")
         if not rows:
@@ -142,10 +171,42 @@ class KVBatch(EngineBatch):
         for row, token in zip(rows, token_ids):
             ids[row.slot, 0] = int(token)
         self._reserve(int(lengths.max()) + 1)
-        logits = self.engine.run([b[:n] for b in self.buffers], ids, lengths)
-        for row, token in zip(rows, token_ids):
+        logits = self.engine.run([b[:n] for b in self.buffers], ids, lengths, preempt)
+        for row, token in zip(rows, token_ids):  # only now: a stopped call leaves every row as it was
             row.tokens.append(int(token))
         return logits[[row.slot for row in rows], 0]
+
+    def prefill(self, rows: Sequence[EngineSequence], prompts: Sequence[Sequence[int]],
+                preempt: Optional[Preemption] = None) -> np.ndarray:
+        """Append each row's whole prompt, rows with nothing cached yet: logits [len(rows), vocab] at each
+        prompt's last position. Rows in consecutive slots run in one call (module docstring); `preempt`: those
+        calls may be stopped (`Preempted`, no row changes)."""
+        if len(rows) != len(prompts) or any(not p for p in prompts):
+            raise ValueError("prefill() needs one non-empty prompt per row")
+        if any(row.batch is not self or row.slot < 0 or len(row) for row in rows):
+            raise EngineError("prefill() takes rows of this batch with nothing cached")
+        if len(rows) == 1:
+            return rows[0].append(prompts[0])[-1:]  # alone: the padded single-row path (min_rows)
+        order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
+        runs, logits = [[order[0]]], np.zeros((len(rows), self.engine.vocab_size), np.float32)
+        for i in order[1:]:  # consecutive slots, one call each (new rows usually are: they are added last)
+            if rows[i].slot == rows[runs[-1][-1]].slot + 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            sizes = np.array([len(prompts[i]) for i in run], np.int64)
+            ids = np.zeros((len(run), int(sizes.max())), np.int64)
+            for j, i in enumerate(run):  # right padding repeats the last token; nothing reads those positions
+                ids[j] = list(prompts[i]) + [prompts[i][-1]] * (ids.shape[1] - sizes[j])
+            self._reserve(ids.shape[1])
+            first = rows[run[0]].slot
+            out = self.engine.run([b[first : first + len(run)] for b in self.buffers], ids,
+                                  np.zeros(len(run), np.int64), preempt, new_lengths=sizes)
+            logits[run] = out[np.arange(len(run)), sizes - 1]
+        for row, prompt in zip(rows, prompts):  # only now: a stopped call leaves every row as it was
+            row.tokens.extend(int(t) for t in prompt)
+        return logits
 
     def _reserve(self, length: int) -> None:
         if length > self.engine.max_seq_len:

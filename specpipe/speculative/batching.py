@@ -4,9 +4,16 @@
 each step out), so `SpecGenerator`, the Triton model and the benchmarks use either. Requests join the
 running batch at any step and leave when done; one thread runs the steps. Each step:
 
-  0. admit waiting requests while there is room, and prefill their prompts in chunks (`prefill_chunk`
-     tokens a step in all), so a long prompt delays running requests by one chunk, not by its whole length;
-     the call with a prompt's last token also gives the request's first token (time to first token);
+  0. admit waiting requests while there is room and prefill their prompts, `prefill_chunk` tokens a step in
+     all: whole prompts in one batched call, a longer one in chunks, alone, so it delays running requests by
+     a chunk, not by its whole length. The call with a prompt's last token gives the request's first token.
+     New requests go first (time to first token): one that arrives during a batched decode (step 3, when no
+     request drafted) stops that call if it is less than half done (`Preemption`: the call's work is lost,
+     no row changes), and one that arrives during a prefill is admitted before the next step. A closed-loop
+     user's next request arrives just after the step that ended its last one began, and would otherwise
+     wait for that whole step before its prompt even starts. Requests whose first tokens came between the
+     same two steps then join the batched steps one step apart (`_started`): joined together, they would end
+     together, and their users' next requests would again arrive together and queue behind each other;
   1. choose K per request (0 = no speculation): the request's own adaptive K (adaptive.py), then
      `plan_batch_draft_lengths` for the batch (or the user's batch-size -> K table);
   2. draft: each speculating request's drafter proposes up to K tokens x_1..x_K with their q, all in one
@@ -35,7 +42,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from specpipe.config import GenerationConfig
-from specpipe.engines.base import Engine, EngineSequence
+from specpipe.engines.base import Engine, EngineSequence, Preempted, Preemption
 from specpipe.errors import SpecpipeError, UsageError
 from specpipe.speculative.adaptive import (
     BatchCosts,
@@ -71,6 +78,7 @@ class _Request:
     draft_len: Optional[DraftLengthPolicy] = None
     rng: Optional[np.random.Generator] = None
     cancelled: bool = False
+    joins: int = 0  # the batched step (a count of steps done) it first takes part in (`_started`)
 
 
 class BatchScheduler:
@@ -93,6 +101,10 @@ class BatchScheduler:
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.steps_run = 0
+        self.preemptions = 0  # batched decodes stopped for a newcomer
+        self._preempt = Preemption()
+        self._steps_done = 0  # batched steps completed
+        self._next_join = 0  # the first step no new request is set to join yet (`_started`)
         self._wake = threading.Condition()
         self._thread: Optional[threading.Thread] = None
 
@@ -113,6 +125,8 @@ class BatchScheduler:
             self.waiting.append(request)
             self._start()
             self._wake.notify()
+            if len(self.running) < self.max_batch_size:  # there is a row for it: its prompt goes first
+                self._preempt.request()
         return self._stream(request)
 
     def _stream(self, request: _Request) -> Iterator[list[int]]:
@@ -147,6 +161,7 @@ class BatchScheduler:
                     self._fail(request, err)
 
     def _admit(self) -> None:
+        self._preempt.clear()  # the loop has seen every request waiting now
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.waiting.popleft()
             if request.cancelled:
@@ -173,11 +188,13 @@ class BatchScheduler:
         """One scheduling step over the running requests (module docstring, phases 0-4)."""
         for request in [r for r in self.running if r.cancelled]:
             self._finish(request)
-        ready = [r for r in self.running if r.produced > 0]  # requests past their prompt
+        started = [r for r in self.running if r.produced > 0]  # requests past their prompt
+        if started and all(r.joins > self._steps_done for r in started):
+            self._steps_done = min(r.joins for r in started)  # nobody to wait behind: the first joins now
+        ready = [r for r in started if r.joins <= self._steps_done]
         self._prefill()
-        if not ready:
+        if not ready or self._give_way():
             return
-        self.steps_run += 1
 
         # 1. How many tokens each request drafts.
         ks = self._draft_lengths(ready)
@@ -190,8 +207,13 @@ class BatchScheduler:
         # 3. Verify: one batched call for the requests without drafts, one call each for the others.
         decoding = [i for i, p in enumerate(proposals) if not p.tokens]
         target_logits: list[Optional[np.ndarray]] = [None] * len(ready)
+        if len(decoding) == len(ready) and self._give_way():  # one arrived while this step was planned
+            return
         if decoding:
-            logits = self.batch.decode([ready[i].row for i in decoding], [ready[i].context[-1] for i in decoding])
+            try:
+                logits = self._decode([ready[i] for i in decoding], preemptible=len(decoding) == len(ready))
+            except Preempted:  # nothing changed: the newcomer's prompt runs, then this step again
+                return
             for j, i in enumerate(decoding):
                 target_logits[i] = logits[j : j + 1]  # [1, vocab]
         for i, proposal in enumerate(proposals):
@@ -199,9 +221,32 @@ class BatchScheduler:
                 target_logits[i] = ready[i].row.append([ready[i].context[-1], *proposal.tokens])  # [K+1, vocab]
         t2 = time.perf_counter()
 
+        self.steps_run += 1
+        self._steps_done += 1
+
         # 4. Accept or resample; emit; roll each cache back to its accepted tokens.
         for request, proposal, logits in zip(ready, proposals, target_logits):
             self._settle(request, proposal, logits, draft_s=t1 - t0, target_s=t2 - t1)
+
+    def _decode(self, requests: list[_Request], preemptible: bool) -> np.ndarray:
+        """One batched call appending each request's last token: logits [len(requests), vocab]. Preemptible only
+        when no request drafted this step (drafts already made would be lost). Running requests cannot starve:
+        each stop admits a request into a free row, and there are at most max_batch_size of them."""
+        preempt = self._preempt if preemptible else None
+        t0 = time.perf_counter()
+        try:
+            logits = self.batch.decode([r.row for r in requests], [r.context[-1] for r in requests], preempt)
+        except Preempted:
+            self.preemptions += 1
+            raise
+        self._preempt.window_s = (time.perf_counter() - t0) / 2  # stop a call only while it is less than half done
+        return logits
+
+    def _give_way(self) -> bool:
+        """True when requests that could be admitted are waiting (they arrived during a prefill): the loop
+        admits and prefills them before the batched step."""
+        with self._wake:
+            return bool(self.waiting) and len(self.running) < self.max_batch_size
 
     def _propose(self, ready: list[_Request], ks: list[int]) -> list[Proposal]:
         """Each request's proposal for this step: empty where K = 0, the drafter's `propose_batch` for the rest."""
@@ -239,11 +284,24 @@ class BatchScheduler:
             self._finish(request)
 
     def _prefill(self) -> None:
-        """Feed new requests' prompts into their rows, `prefill_chunk` tokens a step in all. The call that
-        takes a prompt's last token also gives its first new token (a target-only step), at once: a new
-        request does not wait for the next batched step to see its first token."""
+        """Feed new requests' prompts into their rows, `prefill_chunk` tokens a step in all: whole prompts that fit
+        in one batched call (`EngineBatch.prefill`), a longer one in chunks, alone. The call that takes a
+        prompt's last token also gives the request's first token (a target-only step), at once. Requests whose
+        first tokens come between the same two steps join the batched steps one step apart (module docstring)."""
         budget = self.prefill_chunk
-        for request in [r for r in self.running if r.produced == 0]:
+        new = [r for r in self.running if r.produced == 0]
+        whole, taken = [], 0
+        for request in new:
+            if len(request.row) == 0 and taken + len(request.context) <= budget:
+                whole.append(request)
+                taken += len(request.context)
+        if whole:
+            t0 = time.perf_counter()
+            logits = self.batch.prefill([r.row for r in whole], [r.context for r in whole])
+            for i, request in enumerate(whole):
+                self._started(request, logits[i : i + 1], time.perf_counter() - t0)
+            budget -= taken
+        for request in [r for r in new if r not in whole]:
             if budget <= 0:
                 break
             start = len(request.row)
@@ -252,7 +310,15 @@ class BatchScheduler:
             logits = request.row.append(request.context[start : start + take])
             budget -= take
             if start + take == len(request.context):
-                self._settle(request, Proposal.empty(), logits[-1:], draft_s=0.0, target_s=time.perf_counter() - t0)
+                self._started(request, logits[-1:], time.perf_counter() - t0)
+
+    def _started(self, request: _Request, logits: np.ndarray, target_s: float) -> None:
+        """A request's first token, from its prompt's last logits [1, vocab]. It joins the batched steps at the
+        next one that no other new request joins: requests that joined together would advance together and end
+        in the same step, and their users' next requests would arrive together again, and queue for the prefill."""
+        request.joins = max(self._steps_done + 1, self._next_join)
+        self._next_join = request.joins + 1
+        self._settle(request, Proposal.empty(), logits, draft_s=0.0, target_s=target_s)
 
     def _draft_lengths(self, ready: list[_Request]) -> list[int]:
         preferred = []
