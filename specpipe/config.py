@@ -445,8 +445,8 @@ class LoadConfig(Strict):
                                  "requests then stay in step: every user's next prompt arrives in the same step)")
     against_target_only: bool = Field(
         False, description="run every level twice on the same server, once with K = 0 sent in every request "
-                           "(the target alone, batched) and once as deployed, alternating which goes first: "
-                           "two runs, '<label> target-only' and '<label>'")
+                           "(the target alone, batched) and once as deployed, each in two halves in the order "
+                           "A B B A so that drift favours neither: two runs, '<label> target-only' and '<label>'")
 
     @field_validator("concurrency")
     @classmethod

@@ -245,9 +245,12 @@ def test_against_target_only_sends_k_0_in_one_variant_and_alternates_which_goes_
     k0 = [[0]]
     assert [(c, None if k is None else k.tolist()) for c, k, _ in calls] == [
         (1, None),  # warm-up, as deployed
-        (1, None), (1, k0), (2, k0), (2, None), (4, None), (4, k0)]
+        (1, None), (1, k0), (1, k0), (1, None),  # each level in halves, A B B A; the first alternates
+        (2, k0), (2, None), (2, None), (2, k0),
+        (4, None), (4, k0), (4, k0), (4, None)]
     assert all(stagger == 1.5 for _, _, stagger in calls[1:])  # the warm-up request's latency
     assert [row["concurrency"] for row in rows[load.TARGET_ONLY]] == [1, 2, 4] == [row["concurrency"] for row in rows[""]]
+    assert all(row["requests"] == 4 and len(row["records"]) == 4 for run in rows.values() for row in run)
     calls.clear()
     load.run_load(cfg.model_copy(update={"arrivals": "burst"}), "127.0.0.1:1", model_name="m")
     assert all(stagger == 0.0 for _, _, stagger in calls)
@@ -263,3 +266,23 @@ def test_a_gate_whose_latency_slo_has_fewer_requests_than_users_is_refused(tmp_p
         load_gate(gate_file)
     gate_file.write_text("[latency]\nconcurrency = 4\nrequests = 4\n")
     assert load_gate(gate_file).latency.concurrency == 4
+
+
+def test_a_level_run_in_halves_counts_every_request_and_averages_the_halves_steady_rates():
+    from specpipe.bench.load import summarize_parts
+    from specpipe.triton.load import summarize_level
+
+    def half(seconds_per_request):  # 2 users, 2 requests each, back to back; 10 tokens a request
+        records = [RequestRecord(2 * i + s, s, i * seconds_per_request * 1e3, total_ms=seconds_per_request * 1e3,
+                                 chunk_ms=[50.0, seconds_per_request * 1e3], chunk_tokens=[1, 9])
+                   for i in range(2) for s in range(2)]
+        return LevelRun(2, records, wall_s=2 * seconds_per_request)
+
+    fast, slow = half(1.0), half(2.0)
+    row = summarize_parts([fast, slow])
+    assert row["requests"] == 8 and row["output_tokens"] == 80
+    assert row["tokens_per_s"] == pytest.approx(80 / 6.0)
+    steady = [summarize_level(p)["steady_tokens_per_s"] for p in (fast, slow)]
+    assert None not in steady and steady[0] == pytest.approx(2 * steady[1])
+    assert row["steady_tokens_per_s"] == pytest.approx((steady[0] + steady[1]) / 2)
+    assert summarize_parts([fast]) == summarize_level(fast)

@@ -96,21 +96,40 @@ def run_load(cfg: LoadConfig, url: str, *, model_name: str, server_pid: Optional
     variants = {"": None, TARGET_ONLY: 0} if cfg.against_target_only else {"": None}
     rows: dict[str, list[dict]] = {name: [] for name in variants}
     for n, concurrency in enumerate(cfg.concurrency):
-        order = list(variants) if n % 2 == 0 else list(reversed(variants))
+        first = list(variants) if n % 2 == 0 else list(reversed(variants))
+        # Two variants: each runs its requests in two halves, in the order A B B A, so that a drift of the
+        # machine's speed that is linear over the level weighs on both alike (this machine's drifts by up to 30%
+        # over minutes); the first variant alternates from level to level.
+        order, parts = (first + first[::-1], 2) if len(first) > 1 else (first, 1)
+        levels: dict[str, list[LevelRun]] = {name: [] for name in variants}
         for name in order:
-            what, done, requests = f"{concurrency} users{name}", [0], cfg.requests_at(concurrency)
+            requests = -(-cfg.requests_at(concurrency) // parts)
+            part = f" ({len(levels[name]) + 1}/{parts})" if parts > 1 else ""
+            what, done = f"{concurrency} users{name}{part}", [0]
 
             def tick(record: RequestRecord, what=what, done=done, requests=requests) -> None:
                 done[0] += 1
                 report(what, done[0], requests)
 
             report(what, 0, requests)
-            level = run_level(url, model_name, requests_with(variants[name]), concurrency, requests,
-                              timeout_s=cfg.request_timeout_s, server_pid=server_pid, rss_interval_s=cfg.rss_interval_s,
-                              stagger_s=stagger_s, on_done=tick)
-            rows[name].append({**summarize_level(level), "stagger_s": stagger_s,
-                               "records": [r.as_dict() for r in level.records]})
+            levels[name].append(run_level(url, model_name, requests_with(variants[name]), concurrency, requests,
+                                          timeout_s=cfg.request_timeout_s, server_pid=server_pid,
+                                          rss_interval_s=cfg.rss_interval_s, stagger_s=stagger_s, on_done=tick))
+        for name in variants:
+            rows[name].append({**summarize_parts(levels[name]), "stagger_s": stagger_s,
+                               "records": [r.as_dict() for level in levels[name] for r in level.records]})
     return rows
+
+
+def summarize_parts(parts: list[LevelRun]) -> dict:
+    """One level's row from the runs it was split into: every request's numbers together, the time of all, and
+    the steady rate as the mean of each part's (each has its own ramp-up and tail)."""
+    if len(parts) == 1:
+        return summarize_level(parts[0])
+    merged = LevelRun(parts[0].concurrency, [r for part in parts for r in part.records], sum(p.wall_s for p in parts),
+                      [b for part in parts for b in part.rss_bytes])
+    steady = [summarize_level(part)["steady_tokens_per_s"] for part in parts]
+    return {**summarize_level(merged), "steady_tokens_per_s": None if None in steady else float(np.mean(steady))}
 
 
 def run_loadtest(cfg: LoadConfig, *, target: Optional[Path] = None, url: Optional[str] = None,
