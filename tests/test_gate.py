@@ -369,3 +369,13 @@ def test_greedy_mismatch_reports_position_tokens_and_margin(tiny_build):
     tie = check_greedy(subject, small_gate(prompts=["def add(a, b):"], greedy={"max_new_tokens": 8, "near_tie_margin": 1e9}),
                        lambda n: None)
     assert tie.status == "passed" and tie.metrics["near_ties"] == 1 and "near-tie" in tie.warnings[0]
+
+
+def test_acceptance_below_the_minimum_fails_only_when_the_drafts_show_it():
+    from specpipe.gate.latency import acceptance_below
+
+    assert not acceptance_below(0, 2, 0.05)  # the batch plan drafted twice: nothing to tell
+    assert not acceptance_below(0, 0, 0.05)
+    assert acceptance_below(0, 100, 0.05)  # a broken draft: p = 0.95^100 = 0.006
+    assert acceptance_below(1, 200, 0.05)
+    assert not acceptance_below(30, 100, 0.05)  # a working draft
