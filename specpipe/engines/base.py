@@ -161,10 +161,9 @@ class EngineBatch:
             return np.zeros((0, self.engine.vocab_size), np.float32)
         return np.stack([row.append([token])[-1] for row, token in zip(rows, token_ids)])
 
-    def prefill(self, rows: Sequence[EngineSequence], prompts: Sequence[Sequence[int]],
-                preempt: Optional[Preemption] = None) -> np.ndarray:
+    def prefill(self, rows: Sequence[EngineSequence], prompts: Sequence[Sequence[int]]) -> np.ndarray:
         """Append each row's whole prompt: logits [len(rows), vocab] at each prompt's last position. This default
-        runs rows one by one and is never stopped; engines/shared_kv.py runs them in one call."""
+        runs rows one by one; engines/shared_kv.py runs them in one call."""
         if len(rows) != len(prompts):
             raise ValueError(f"{len(rows)} rows but {len(prompts)} prompts")
         return np.stack([row.append(prompt)[-1] for row, prompt in zip(rows, prompts)])

@@ -176,11 +176,9 @@ class KVBatch(EngineBatch):
             row.tokens.append(int(token))
         return logits[[row.slot for row in rows], 0]
 
-    def prefill(self, rows: Sequence[EngineSequence], prompts: Sequence[Sequence[int]],
-                preempt: Optional[Preemption] = None) -> np.ndarray:
+    def prefill(self, rows: Sequence[EngineSequence], prompts: Sequence[Sequence[int]]) -> np.ndarray:
         """Append each row's whole prompt, rows with nothing cached yet: logits [len(rows), vocab] at each
-        prompt's last position. Rows in consecutive slots run in one call (module docstring); `preempt`: those
-        calls may be stopped (`Preempted`, no row changes)."""
+        prompt's last position. Rows in consecutive slots run in one call (module docstring)."""
         if len(rows) != len(prompts) or any(not p for p in prompts):
             raise ValueError("prefill() needs one non-empty prompt per row")
         if any(row.batch is not self or row.slot < 0 or len(row) for row in rows):
@@ -202,9 +200,9 @@ class KVBatch(EngineBatch):
             self._reserve(ids.shape[1])
             first = rows[run[0]].slot
             out = self.engine.run([b[first : first + len(run)] for b in self.buffers], ids,
-                                  np.zeros(len(run), np.int64), preempt, new_lengths=sizes)
+                                  np.zeros(len(run), np.int64), new_lengths=sizes)
             logits[run] = out[np.arange(len(run)), sizes - 1]
-        for row, prompt in zip(rows, prompts):  # only now: a stopped call leaves every row as it was
+        for row, prompt in zip(rows, prompts):
             row.tokens.extend(int(t) for t in prompt)
         return logits
 
