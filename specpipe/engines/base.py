@@ -88,11 +88,12 @@ class Preemption:
     call if one is armed and less than `window_s` has passed since it started (later, finishing costs the
     waiter less than what stopping would throw away). A request while nothing is armed is kept (`pending`)
     and stops the next call as it starts, unless the caller `clear()`s it first (it has seen the newcomer).
-    An engine that cannot stop a call never arms it.
+    An engine that cannot stop a call never arms it. `clock` (seconds) is injectable so that tests state the
+    window rule without racing real time.
     """
 
-    def __init__(self, window_s: float = 0.0):
-        self.window_s = window_s
+    def __init__(self, window_s: float = 0.0, clock: Callable[[], float] = time.perf_counter):
+        self.window_s, self.clock = window_s, clock
         self.requested = False  # the armed call was asked to stop
         self.pending = False  # asked while nothing was armed
         self._lock = threading.Lock()
@@ -102,7 +103,7 @@ class Preemption:
     @contextmanager
     def running(self, stop: Callable[[], None]) -> Iterator[None]:
         with self._lock:
-            self._stop, self._until, self.requested = stop, time.perf_counter() + self.window_s, self.pending
+            self._stop, self._until, self.requested = stop, self.clock() + self.window_s, self.pending
             self.pending = False
             if self.requested:
                 stop()
@@ -118,7 +119,7 @@ class Preemption:
             if self._stop is None:
                 self.pending = True
                 return False
-            if self.requested or time.perf_counter() > self._until:
+            if self.requested or self.clock() > self._until:
                 return False
             self.requested = True
             self._stop()
