@@ -10,6 +10,7 @@ import torch
 
 from specpipe.cli import main
 from specpipe.config import DistillConfig
+from specpipe.testing.greedy import assert_greedy_equivalent
 
 
 @pytest.fixture()
@@ -96,7 +97,7 @@ def test_distilled_draft_builds_and_decodes_like_the_target(distilled, tiny_targ
     spec = deployment.generator.generate(prompt, deployment.generation_config(num_draft_tokens=3, draft_length="fixed",
                                                                              max_new_tokens=16))
     alone = deployment.generator.generate(prompt, deployment.generation_config(speculative=False, max_new_tokens=16))
-    assert spec.token_ids == alone.token_ids
+    assert_greedy_equivalent(deployment, prompt, spec.token_ids, alone.token_ids)  # a near-tie may flip between kernels (verify vs decode) on another CPU: not a bug
     assert spec.stats.drafted > 0
 
 
@@ -207,9 +208,11 @@ def test_teacher_data_is_cached_and_restart_continues(tiny_target, cache, tmp_pa
         def log(self, message):
             self.messages.append(message)
 
-    distill(_tiny_cfg(tiny_target, tmp_path / "a"))
+    # The cache is keyed by the teacher's precision. "auto" measures it, and where fp32 and bf16 run about as
+    # fast (AVX512-BF16 CPUs) two runs may choose differently: this test states the cache rule, so it fixes it.
+    distill(_tiny_cfg(tiny_target, tmp_path / "a", teacher_dtype="float32"))
     notes = Notes()
-    distill(_tiny_cfg(tiny_target, tmp_path / "b"), notes)
+    distill(_tiny_cfg(tiny_target, tmp_path / "b", teacher_dtype="float32"), notes)
     assert "teacher" not in notes.phases and any("cached target answers" in m for m in notes.messages)
 
     # A stopped run's state is picked up again: same step, same weights.

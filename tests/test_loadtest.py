@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from rich.console import Console
@@ -92,12 +91,13 @@ def test_a_level_with_nothing_measured_reports_none_not_nan():
 # ---- the server's memory ---------------------------------------------------------------------------
 
 
+@pytest.mark.timing
 def test_process_tree_rss_counts_the_children():
-    child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(64 << 20); time.sleep(30)"])
+    # The child says when its 64 MB are resident and lives until we close its stdin: no deadline to race.
+    code = "import sys; x = bytearray(64 << 20); print('ready', flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 20
-        while process_tree_rss(child.pid) < 64 << 20 and time.time() < deadline:
-            time.sleep(0.1)
+        assert child.stdout.readline().strip() == "ready"
         alone = process_tree_rss(os.getpid()) - process_tree_rss(child.pid)
         assert process_tree_rss(child.pid) >= 64 << 20
         assert alone > 0  # this process's own pages, the child's counted in the tree

@@ -88,19 +88,25 @@ time.sleep(120)
 """
 
 
+@pytest.mark.timing
 def test_the_stub_watchdog_exits_the_stub_soon_after_its_server_dies():
+    """The busy stub exits once its server is gone, and it is the watchdog that ends it (its line on stderr).
+    How soon depends on the machine's load (poll_s plus scheduling): printed, not asserted; a stub without
+    the watchdog runs on past the deadline and fails."""
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
-    server = subprocess.Popen([sys.executable, "-c", _SERVER, _STUB], stdout=subprocess.PIPE, text=True, env=env)
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, _STUB], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env)
     stub_pid = int(server.stdout.readline())
     try:
         assert server.stdout.readline().strip() == "armed"
         killed = time.monotonic()
         server.kill()
         server.wait()
-        while _running(stub_pid) and time.monotonic() - killed < 5:
+        while _running(stub_pid) and time.monotonic() - killed < 120:
             time.sleep(0.01)
         assert not _running(stub_pid)
-        assert time.monotonic() - killed < 1.0
+        print(f"stub exited {time.monotonic() - killed:.2f} s after its server was killed")
+        assert f"specpipe: stub {stub_pid} exits: its server (pid {server.pid}) is gone" in server.stderr.read()
     finally:
         if _running(stub_pid):
             os.kill(stub_pid, signal.SIGKILL)

@@ -406,6 +406,11 @@ def _stream_in_background(url: str, cfg: GenerationConfig) -> dict:
     return state
 
 
+# A bound on waits for things that must happen (a client's error, a stub's exit), not a speed target: on a
+# loaded machine they take longer, and a planted bug (nothing happens) still fails at the deadline.
+DEADLINE_S = 60
+
+
 def _wait_until(condition, timeout_s: float, since: float) -> float:
     """Seconds from `since` (a time.monotonic()) until condition() held; fails after timeout_s."""
     while not condition():
@@ -414,6 +419,7 @@ def _wait_until(condition, timeout_s: float, since: float) -> float:
     return time.monotonic() - since
 
 
+@pytest.mark.timing
 def test_serve_killed_with_a_request_in_flight_leaves_nothing_and_the_next_server_answers_the_same(
         builds, local, tmp_path):
     repo = tmp_path / "repo"
@@ -428,15 +434,17 @@ def test_serve_killed_with_a_request_in_flight_leaves_nothing_and_the_next_serve
         killed = time.monotonic()
         os.kill(stub.server_pid, signal.SIGKILL)
 
-        assert request["done"].wait(5), "the client got no error within 5 s"
-        assert request["error"] and request["failed_at"] - killed < 5
-        clean_s = _wait_until(lambda: not _stubs_of(repo) and not _regions_of(repo), 5, since=killed)
+        # How soon each thing happens depends on the machine's load: printed below, bounded only by deadlines.
+        assert request["done"].wait(DEADLINE_S), f"the client got no error within {DEADLINE_S} s"
+        assert request["error"]
+        clean_s = _wait_until(lambda: not _stubs_of(repo) and not _regions_of(repo), DEADLINE_S, since=killed)
         assert process.wait(timeout=30) == 2
         reader.join(timeout=10)
         error = lines[-1]
         assert error.startswith("error: tritonserver was killed by SIGKILL"), "".join(lines)
         assert "Traceback" not in "".join(lines)
-        print(f"kill -9 -> no stub, no region: {clean_s:.2f} s; {stub.rss_bytes / 2**20:.0f} MB of stub returned")
+        print(f"kill -9 -> client error {request['failed_at'] - killed:.2f} s, no stub, no region: {clean_s:.2f} s; "
+              f"{stub.rss_bytes / 2**20:.0f} MB of stub returned")
     finally:
         process.kill()
         for stub in _stubs_of(repo):
@@ -450,6 +458,7 @@ def test_serve_killed_with_a_request_in_flight_leaves_nothing_and_the_next_serve
     assert not _stubs_of(repo) and not _regions_of(repo)
 
 
+@pytest.mark.timing
 def test_stubs_exit_by_themselves_and_the_next_server_ends_one_that_could_not(builds, tmp_path):
     """No one cleans up after the killed server here: one busy stub must exit by itself (its watchdog); a
     stopped one (a stub that cannot, like the stub of the report that ran on for 34 minutes) is ended by the
@@ -467,10 +476,10 @@ def test_stubs_exit_by_themselves_and_the_next_server_ends_one_that_could_not(bu
             killed = time.monotonic()
             server.process.kill()
             server.process.wait()
-            assert all(request["done"].wait(5) and request["error"] for request in requests)
+            assert all(request["done"].wait(DEADLINE_S) and request["error"] for request in requests)
             # Our watchdog, or the stub's own check once the server is reaped (that one can hang with a request
             # in flight, and may leave the region: the next server removes it then).
-            exit_s = _wait_until(lambda: free.pid not in [stub.pid for stub in _stubs_of(repo)], 3, since=killed)
+            exit_s = _wait_until(lambda: free.pid not in [stub.pid for stub in _stubs_of(repo)], DEADLINE_S, since=killed)
             assert [stub.pid for stub in _stubs_of(repo)] == [stuck.pid]
             print(f"busy stub exited by itself {exit_s:.2f} s after kill -9")
 
