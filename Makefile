@@ -9,7 +9,7 @@ export PIP_ROOT_USER_ACTION := ignore
 # Fixed thread count so timings are comparable (2 cores here).
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install install-peers test test-fast demo bench loadtest clean distclean
+.PHONY: install install-peers test test-fast test-stress demo bench loadtest clean distclean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# The tests that involve threads, servers or time (marker `timing`), STRESS_COUNT times each in random order,
+# with a busy loop on every core: CI shares its machine, and users' machines are loaded too.
+STRESS_COUNT ?= 3
+test-stress: install
+	$(PY) -m specpipe.testing.hog -- $(PY) -m pytest -q -p no:cacheprovider -m timing --count $(STRESS_COUNT) --random-order
 
 demo: install
 	$(PY) -m specpipe.demo
