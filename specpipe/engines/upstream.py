@@ -135,7 +135,7 @@ PYTHON_MODEL_FILES = {
 
 # ---- LLM API path (the forward path after the removal) ---------------------------------------------------
 # tensorrt_llm.llmapi.DraftTargetDecodingConfig: fields max_draft_len and speculative_model (alias
-# speculative_model_dir); as a dict, DecodingBaseConfig.from_dict dispatches on decoding_type "DraftTarget"
+# speculative_model_dir); 1.2.1 dispatched a dict on decoding_type "DraftTarget", the pin on "Draft_Target" (below)
 # (gh-pages 1.2.1/_modules/tensorrt_llm/llmapi/llm_args.html @58fb435e; DECODING_TYPES below). The 1.2.1 docs'
 # draft-target example also passes disable_overlap_scheduler=True (1.2.1/features/speculative-decoding.html;
 # not re-checked for 1.3: tests/test_gpu_llmapi.py validates the YAML with the installed TorchLlmArgs).
