@@ -61,12 +61,13 @@ def _generate(llm_args: dict, prompts: list[str]) -> list[list[int]]:
 
 
 def test_tensorrt_llm_validates_the_yaml_specpipe_writes(written):
-    """TorchLlmArgs (the LLM API's own pydantic model) accepts every key, draft_len_schedule included."""
+    """TorchLlmArgs (the LLM API's own pydantic model) accepts every key; the two-model Draft_Target path takes no
+    draft_len_schedule at v1.3.0rc26 (support_dynamic_draft_len), and the plan {1: 4, 4: 2, 8: 1} never reaches 0."""
     from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
 
     args = TorchLlmArgs(model=written["model_yaml"]["model"], **written["serve"])
     assert args.speculative_config.max_draft_len == MAX_DRAFT_LEN
-    assert args.speculative_config.draft_len_schedule == {1: 4, 4: 2, 8: 1}
+    assert args.speculative_config.draft_len_schedule is None and args.speculative_config.max_concurrency is None
     assert args.max_batch_size == 8
 
 
@@ -75,7 +76,7 @@ def test_model_yaml_minus_triton_config_is_what_the_llmapi_model_passes_to_llm(w
     from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
 
     engine_args = update_llm_args_with_extra_dict({}, {k: v for k, v in written["model_yaml"].items() if k != "triton_config"})
-    assert engine_args["speculative_config"].decoding_type == "DraftTarget"
+    assert engine_args["speculative_config"].decoding_type == "Draft_Target"
 
 
 def test_greedy_speculative_output_equals_target_only(written):

@@ -80,8 +80,9 @@ HF_PTQ_KV_QFORMATS = {"none", "fp8_cast", "fp8", "fp8_affine", "nvfp4_cast", "nv
 # tensorrt_llm/llmapi/llm_args.py: BaseLlmArgs fields (@fcd3f316) and DecodingBaseConfig fields (2026 main)
 LLM_ARGS = {"model", "backend", "tensor_parallel_size", "pipeline_parallel_size", "max_batch_size", "max_num_tokens", "max_seq_len",
             "max_input_len", "kv_cache_config", "enable_chunked_prefill", "speculative_config", "disable_overlap_scheduler"}  # fmt: skip
+# llm_args.py @00043967 (v1.3.0rc26 line): the acceptance gate was renamed from acceptance_window / acceptance_length_threshold
 DECODING_BASE_FIELDS = {"max_draft_len", "max_total_draft_tokens", "speculative_model", "max_concurrency", "draft_len_schedule",
-                        "load_format", "acceptance_window", "acceptance_length_threshold", "allow_advanced_sampling"}  # fmt: skip
+                        "load_format", "acceptance_rate_window_size", "acceptance_rate_threshold", "allow_advanced_sampling"}  # fmt: skip
 # triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt @0a710573: what an llmapi client sends
 LLMAPI_CLIENT_TENSORS = {"text_input": "STRING", "streaming": "BOOL", "sampling_param_temperature": "FP32",
                          "sampling_param_top_k": "INT32", "sampling_param_top_p": "FP32", "sampling_param_max_tokens": "INT32",
@@ -331,7 +332,7 @@ def test_template_comparison_catches_drift(tmp_path):
 def test_llmapi_flow_writes_model_yaml(tmp_path):
     cfg = _cfg(tmp_path, quant="fp8", tp_size=8, kv_cache_dtype="fp8")
     plan = make_plan(cfg)
-    assert plan.flow == "llmapi" and plan.versions == {"tensorrt_llm": ">=1.3.0 (LLM API, PyTorch backend; no engine build)"}
+    assert plan.flow == "llmapi" and plan.versions["tensorrt_llm"].startswith("1.3.0rc26 (v1.3.0rc26 @c295dd9fca")
     assert not any(s.argv and s.argv[0] == "trtllm-build" for s in plan.steps)  # no engine build on this path
     ptq = _step(plan, "target.quantize")
     assert ptq.argv[1].endswith("examples/llm_ptq/hf_ptq.py")
@@ -346,9 +347,8 @@ def test_llmapi_flow_writes_model_yaml(tmp_path):
     assert set(model_yaml) - {"triton_config"} <= LLM_ARGS, set(model_yaml) - LLM_ARGS
     assert model_yaml["backend"] == "pytorch" and model_yaml["tensor_parallel_size"] == 8 and model_yaml["max_batch_size"] == 8
     assert model_yaml["speculative_config"] == {
-        "decoding_type": "DraftTarget", "max_draft_len": 8, "speculative_model": str(Path(plan.draft.artifacts).absolute()),
-        "draft_len_schedule": {1: 8, 4: 4, 8: 2},
-    }  # fmt: skip
+        "decoding_type": "Draft_Target", "max_draft_len": 8, "speculative_model": str(Path(plan.draft.artifacts).absolute()),
+    }  # fmt: skip  (two-model DRAFT_TARGET takes no draft_len_schedule at v1.3.0rc26; the plan never reaches 0 at batch 8)
     assert set(model_yaml["speculative_config"]) - {"decoding_type"} <= DECODING_BASE_FIELDS
     assert model_yaml["triton_config"] == {"max_batch_size": 0, "decoupled": True}
     assert model_yaml["kv_cache_config"]["dtype"] == "fp8"
@@ -482,7 +482,9 @@ def test_an_eagle3_head_gets_eagle3_decoding(tmp_path):
     plan = make_plan(cfg)
     write_plan_repository(plan, cfg)
     spec = yaml.safe_load((tmp_path / "repo" / "tensorrt_llm" / "1" / "model.yaml").read_text())["speculative_config"]
-    assert spec["decoding_type"] == "Eagle3" and spec["max_concurrency"] == 31 and "draft_len_schedule" not in spec
+    # plan {1: 8, 4: 4, 8: 2, 16: 1, 32: 0} read "up to key" at v1.3.0rc26: batch 32 drafts 0 (above the largest key)
+    assert spec["decoding_type"] == "Eagle3" and spec["draft_len_schedule"] == {1: 8, 3: 8, 7: 4, 15: 2, 31: 1}
+    assert "eagle3_layers_to_capture" not in spec  # the head names none: TensorRT-LLM's default set
     with pytest.raises(UsageError, match="EAGLE-3 head drafts through the LLM-API flow only"):
         make_plan(_engine_cfg(tmp_path, draft=str(head), tp_size=8))
 
@@ -500,13 +502,13 @@ def test_upstream_facts_match_the_copies_here():
     from specpipe.engines import upstream
     from specpipe.triton.trtllm_repo import LLMAPI_INPUTS
 
-    assert upstream.TRTLLM_ENGINE_VERSION == "1.2.1" and upstream.TRTLLM_LLMAPI_MIN_VERSION == "1.3.0"
+    assert upstream.TRTLLM_ENGINE_VERSION == "1.2.1" and upstream.TRTLLM_LLMAPI_MIN_VERSION == "1.3.0rc26"
     assert set(upstream.TRTLLM_REMOVAL_PRS) == {11723, 15763, 15767, 15907, 15918}
     assert upstream.LLMAPI_QUANT_MODES == ("none", "fp8", "int4-wo") and upstream.LLMAPI_KV_CACHE_DTYPES == ("auto", "fp8")
     assert set(upstream.MODELOPT_PTQ_FLAGS) <= HF_PTQ_FLAGS
     assert set(upstream.MODELOPT_QFORMAT_FOR_MODE.values()) <= HF_PTQ_QFORMATS
     assert set(upstream.MODELOPT_KV_QFORMAT.values()) <= HF_PTQ_KV_QFORMATS
-    assert upstream.DECODING_TYPES == {"draft_target": "DraftTarget", "eagle3": "Eagle3", "ngram": "NGram"}
+    assert upstream.DECODING_TYPES == {"draft_target": "Draft_Target", "eagle3": "Eagle3", "ngram": "NGram"}
     assert set(upstream.DECODING_BASE_FIELDS) <= DECODING_BASE_FIELDS and set(upstream.LLM_ARGS) <= LLM_ARGS
     assert set(upstream.QUANTIZE_FLAGS_ENGINE_FLOW) <= QUANTIZE_FLAGS_C8C6DF08
     assert upstream.FP8_KV_WEIGHT_QUANT == ("fp8",)
@@ -680,7 +682,7 @@ def test_ngram_drafting_plans_ngram_decoding_without_a_draft_model(tmp_path):
     assert {s.id for s in plan.steps} >= {"target.resolve", "target.quantize"} and "draft.resolve" not in {s.id for s in plan.steps}
     write_plan_repository(plan, cfg)
     spec = yaml.safe_load((tmp_path / "repo" / "tensorrt_llm" / "1" / "model.yaml").read_text())["speculative_config"]
-    assert spec == {"decoding_type": "NGram", "max_draft_len": 8, "max_matching_ngram_size": 3, "draft_len_schedule": {1: 8, 4: 4, 8: 2}}
+    assert spec == {"decoding_type": "NGram", "max_draft_len": 8, "max_matching_ngram_size": 3}  # no 0 tier below batch 8
     assert "n-gram lookup" in render_plan(plan) and not any("inside the target's LLM" in n for n in plan.notes)
     assert yaml.safe_load((tmp_path / "engines" / plan.name / "trtllm-serve.yaml").read_text())["kv_cache_config"][
         "free_gpu_memory_fraction"

@@ -31,6 +31,7 @@ from specpipe.config import MAX_SEQ_LEN, BuildConfig, TrtllmBackend
 from specpipe.engines import upstream
 from specpipe.engines.tensorrt_build import PLAN_FILE, optimization_profiles
 from specpipe.errors import UsageError
+from specpipe.checkpoint.eagle3 import read_eagle3_head
 from specpipe.manifest import MANIFEST
 from specpipe.triton.repository import DEFAULT_MODEL_NAME
 
@@ -102,8 +103,10 @@ def make_plan(cfg: BuildConfig) -> Plan:
     """Check the request against the models, the upstream tools and the GPU memory, then lay out the steps."""
     ngram = cfg.draft[0] == NGRAM_DRAFT
     target = resolve_shape(cfg.target)
+    head = None if ngram else read_eagle3_head(cfg.draft[0])  # refuses a speculators-format head in one line
     draft = None if ngram else resolve_shape(cfg.draft[0])
-    notes = _check_pair(cfg.target, cfg.draft[0]) if draft is not None else []
+    # an EAGLE-3 head has no tokenizer of its own: it reads the target's hidden states, not its tokens
+    notes = _check_pair(cfg.target, cfg.draft[0]) if draft is not None and head is None else []
     if _flow(cfg) == "llmapi" and cfg.backend.draft_tp_size != cfg.backend.tp_size and not ngram:
         # the LLM API loads the draft into the target's executor, split over the same GPUs
         notes.append(f"the draft runs inside the target's LLM on its {cfg.backend.tp_size} GPU(s) (tp {cfg.backend.tp_size}), not --draft-tp-size {cfg.backend.draft_tp_size}")
@@ -182,11 +185,15 @@ def make_plan(cfg: BuildConfig) -> Plan:
             schedule = draft_len_schedule(cfg)
             if draft is None:
                 notes.append("n-gram drafting (NGramDecodingConfig): drafts are looked up in the request's own tokens, no draft model")
-            elif is_eagle3_head(draft):
-                notes.append("the draft is an EAGLE-3 head: speculative_config is Eagle3 (speculation off where the schedule reaches 0)")
+            elif head is not None or is_eagle3_head(draft):
+                captured = head.layers_to_capture if head is not None else None
+                notes.append(
+                    "the draft is an EAGLE-3 head: speculative_config is Eagle3, "
+                    + (f"eagle3_layers_to_capture {list(captured)}" if captured else "TensorRT-LLM's default captured layers")
+                )
             notes.append(
                 f"in-flight batching: up to {cfg.backend.max_batch_size} requests; draft length by batch size {schedule}"
-                " (speculative_config.draft_len_schedule)"
+                f" (TensorRT-LLM {upstream.TRTLLM_LLMAPI_VERSION}: draft_len_schedule for Eagle3, max_concurrency otherwise)"
             )
             notes.append("without Triton: " + " ".join(trtllm_serve_command(_llmapi_target_dir(jobs[0]), work / SERVE_CONFIG)))
     steps.append(
@@ -194,7 +201,7 @@ def make_plan(cfg: BuildConfig) -> Plan:
     )
     versions = {"tensorrt_llm": upstream.TRTLLM_ENGINE_VERSION if cfg.backend.kind == "trtllm" else "-", "tensorrt": f">={upstream.TENSORRT_MIN_VERSION}"}
     if _flow(cfg) == "llmapi":
-        versions = {"tensorrt_llm": f">={upstream.TRTLLM_LLMAPI_MIN_VERSION} (LLM API, PyTorch backend; no engine build)"}
+        versions = {"tensorrt_llm": f"{upstream.TRTLLM_LLMAPI_VERSION} ({upstream.TRTLLM_LLMAPI_TAG} @{upstream.TRTLLM_LLMAPI_COMMIT}; LLM API, PyTorch backend; no engine build)"}
     return Plan(
         backend=cfg.backend.kind, flow=flow, name=name, work_dir=str(work), repo_dir=str(repo) if repo else None,
         versions=versions,

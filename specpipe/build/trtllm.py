@@ -4,7 +4,7 @@ LLM-API flow (the default; TensorRT-LLM >= 1.3, whose only execution backend is 
 
     quantize     ModelOpt PTQ (Model-Optimizer examples/llm_ptq/hf_ptq.py) to a quantized Hugging Face folder,
                  for the modes the PyTorch backend runs (fp8, int4-wo = W4A16 AWQ); nothing else is offered
-    serve        `LLM(model, speculative_config=...)`: DraftTarget for a draft model, Eagle3 for an EAGLE-3 head,
+    serve        `LLM(model, speculative_config=...)`: Draft_Target for a draft model, Eagle3 for an EAGLE-3 head,
                  configured once as typed YAML for trtllm-serve and for Triton's llmapi model (model.yaml)
 
 Engine flow (`--trtllm-flow engine`, TensorRT-LLM 1.2.1, the last stable release with TensorRT engines):
@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from specpipe.build.steps import Step
+from specpipe.checkpoint.eagle3 import is_eagle3_architecture, read_eagle3_head
 from specpipe.checkpoint.facts import ModelShape
 from specpipe.config import NgramConfig
 from specpipe.engines import upstream
@@ -248,31 +249,34 @@ class _Strict(BaseModel):
 
 
 class DraftTargetSpec(_Strict):
-    """DraftTargetDecodingConfig, as DecodingBaseConfig.from_dict reads it."""
+    """DraftTargetDecodingConfig (decoding_type "Draft_Target" at the pin). The two-model DRAFT_TARGET mode is not
+    among support_dynamic_draft_len()'s modes, so the batch plan reaches it as max_concurrency only."""
 
-    decoding_type: Literal["DraftTarget"] = upstream.DECODING_TYPES["draft_target"]  # type: ignore[assignment]
-    max_draft_len: int = Field(gt=0)
-    speculative_model: str
-    draft_len_schedule: Optional[dict[int, int]] = None
-
-
-class Eagle3Spec(_Strict):
-    """Eagle3DecodingConfig for an EAGLE-3 head. The batch schedule does not reach the one-model EAGLE-3 loop
-    (upstream's stage 1 covers NGram and the 2-model drafter): max_concurrency switches speculation off instead."""
-
-    decoding_type: Literal["Eagle3"] = upstream.DECODING_TYPES["eagle3"]  # type: ignore[assignment]
+    decoding_type: Literal["Draft_Target"] = upstream.DECODING_TYPES["draft_target"]  # type: ignore[assignment]
     max_draft_len: int = Field(gt=0)
     speculative_model: str
     max_concurrency: Optional[int] = Field(None, ge=0)
 
 
+class Eagle3Spec(_Strict):
+    """Eagle3DecodingConfig for an EAGLE-3 head: one-model EAGLE-3 takes the batch plan as draft_len_schedule, and
+    the head's captured layers as eagle3_layers_to_capture (else TensorRT-LLM assumes {1, L/2-1, L-4})."""
+
+    decoding_type: Literal["Eagle3"] = upstream.DECODING_TYPES["eagle3"]  # type: ignore[assignment]
+    max_draft_len: int = Field(gt=0)
+    speculative_model: str
+    eagle3_layers_to_capture: Optional[list[int]] = None
+    draft_len_schedule: Optional[dict[int, int]] = None
+
+
 class NGramSpec(_Strict):
-    """NGramDecodingConfig: drafts looked up in the request's own tokens (specpipe's --draft ngram)."""
+    """NGramDecodingConfig: drafts looked up in the request's own tokens (specpipe's --draft ngram). NGram is not
+    among support_dynamic_draft_len()'s modes: the batch plan reaches it as max_concurrency only."""
 
     decoding_type: Literal["NGram"] = upstream.DECODING_TYPES["ngram"]  # type: ignore[assignment]
     max_draft_len: int = Field(gt=0)
     max_matching_ngram_size: int = Field(gt=0)
-    draft_len_schedule: Optional[dict[int, int]] = None
+    max_concurrency: Optional[int] = Field(None, ge=0)
 
 
 SpeculativeSpec = Annotated[Union[DraftTargetSpec, Eagle3Spec, NGramSpec], Field(discriminator="decoding_type")]
@@ -326,7 +330,28 @@ class LlmApiModelYaml(LlmApiArgs):
 
 
 def is_eagle3_head(shape: ModelShape) -> bool:
-    return shape.architecture in upstream.EAGLE3_ARCHITECTURES
+    return is_eagle3_architecture(shape.architecture)
+
+
+def upstream_draft_len_schedule(schedule: dict[int, int], max_batch_size: int) -> dict[int, int]:
+    """specpipe's batch plan ({from batch size b on: draft length}) in the pinned release's reading of
+    draft_len_schedule ({up to batch size b: draft length}, 0 above the largest key; upstream.SCHEDULE_MODES).
+
+    Worked example, K = 8, max batch 16: plan {1: 8, 4: 4, 8: 2, 16: 0} -> {1: 8, 3: 8, 7: 4, 15: 2}; batch 2 drafts 8,
+    batch 4 drafts 4, batch 16 drafts 0 (above the largest key). Key 1 stays: the validator wants {1: max_draft_len}.
+    """
+    starts = sorted(schedule)
+    out = {1: schedule[starts[0]]}
+    for start, end in zip(starts, starts[1:] + [max_batch_size + 1]):
+        if schedule[start] > 0 and end - 1 >= start:
+            out[end - 1] = schedule[start]
+    return dict(sorted(out.items()))
+
+
+def speculation_off_above(schedule: dict[int, int]) -> Optional[int]:
+    """max_concurrency for a mode the schedule cannot reach: the largest batch before the plan drafts 0."""
+    off = [batch for batch, draft_len in schedule.items() if draft_len == 0]
+    return min(off) - 1 if off else None
 
 
 def llmapi_args(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_fraction: float, schedule: dict[int, int],
@@ -334,18 +359,19 @@ def llmapi_args(target: ModelJob, draft: Optional[ModelJob], limits: Limits, kv_
     """The LLM(...) arguments both serving paths share. `draft` None: n-gram drafting, up to `ngram.ngram_max` tokens
     matched (the CPU build's --ngram-max)."""
     spec: Any
+    off = speculation_off_above(schedule)
+    head = read_eagle3_head(draft.spec) if draft is not None else None
     if draft is None:
-        spec = NGramSpec(max_draft_len=limits.max_draft_len, max_matching_ngram_size=ngram.ngram_max, draft_len_schedule=schedule)
-    elif is_eagle3_head(draft.shape):
-        off = [batch for batch, draft_len in schedule.items() if draft_len == 0]
+        spec = NGramSpec(max_draft_len=limits.max_draft_len, max_matching_ngram_size=ngram.ngram_max, max_concurrency=off)
+    elif head is not None or is_eagle3_head(draft.shape):
+        layers = head.layers_to_capture if head is not None else None
         spec = Eagle3Spec(
             max_draft_len=limits.max_draft_len, speculative_model=str(llmapi_model_dir(draft).absolute()),
-            max_concurrency=min(off) - 1 if off else None,
+            eagle3_layers_to_capture=list(layers) if layers else None,
+            draft_len_schedule=upstream_draft_len_schedule(schedule, limits.max_batch_size),
         )  # fmt: skip
     else:  # absolute paths: Triton's working directory is not the build's
-        spec = DraftTargetSpec(
-            max_draft_len=limits.max_draft_len, speculative_model=str(llmapi_model_dir(draft).absolute()), draft_len_schedule=schedule
-        )
+        spec = DraftTargetSpec(max_draft_len=limits.max_draft_len, speculative_model=str(llmapi_model_dir(draft).absolute()), max_concurrency=off)
     return dict(
         model=str(llmapi_model_dir(target).absolute()),
         tensor_parallel_size=target.tp,

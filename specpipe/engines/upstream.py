@@ -26,11 +26,28 @@ TRTLLM_LAST_ENGINE_RC = "1.3.0rc20"  # GitHub/NGC only
 TRTLLM_REMOVAL_PRS = (11723, 15763, 15767, 15907, 15918)
 
 # ---- the LLM-API flow's TensorRT-LLM ----------------------------------------------------------------------
-# The first release line without engines is 1.3 (the removal PRs above merged on main during the 1.3.0rc
-# series: PR 16758 bumped main to 1.3.0rc23 on 2026-07-22; nvidia.github.io/TensorRT-LLM/1.3.0rc27/ is
-# published). NOT CONFIRMED here: a final v1.3.0 tag and PR 19035 were not found in the sources this
-# session could read, so the pin says ">= 1.3.0" and a run checks the installed version, not a tag.
-TRTLLM_LLMAPI_MIN_VERSION = "1.3.0"
+# Pinned: the newest 1.3.x tag found, v1.3.0rc26 (GitHub release page NVIDIA/TensorRT-LLM/releases/tag/v1.3.0rc26,
+# "released this 09 Sep", commit c295dd9, = c295dd9fca "[https://nvbugs/6193837][fix] Include FINALIZE-fusion
+# workspace ..." (#18675), 2026-09-04). No final v1.3.0 tag was found. Its docs are gh-pages 1.3.0rc26/ @f2bb6484.
+# The full 40-hex commit of the tag could not be resolved from the stores this session could read (the
+# repository is too large to fetch here); the source files below were read at the commits the code index
+# holds, named next to each fact. Packaging orders 1.3.0rc26 before 1.3.0, so the pin is the rc itself.
+TRTLLM_LLMAPI_VERSION = "1.3.0rc26"
+TRTLLM_LLMAPI_TAG = "v1.3.0rc26"
+TRTLLM_LLMAPI_COMMIT = "c295dd9fca"
+TRTLLM_LLMAPI_MIN_VERSION = TRTLLM_LLMAPI_VERSION
+# The engine flow's 1.2.1: PR 12755 "Bump version to 1.2.1" (2026-04); tensorrtllm_backend PR 853 tracks the
+# release/1.2.1 branch. Its docs: gh-pages 1.2.1/ @58fb435e (full: 58fb435eacc402f3bd177e60f592c955d2b0719d).
+# The tag's own commit was not resolvable here either.
+TRTLLM_ENGINE_DOCS_COMMIT = "58fb435eacc402f3bd177e60f592c955d2b0719d"
+LLMAPI_DOCS_COMMIT = "f2bb6484102a7e38bcd66df700a38dfe4a8de02d"
+# Source files of the 1.3 line as read (code index versions; main-branch commits of the rc line).
+LLM_ARGS_PY = "tensorrt_llm/llmapi/llm_args.py"
+LLM_ARGS_COMMIT = "0004396720054fd8e205cbf616f21f0b57c6b412"
+SPEC_UTILS_PY = "tensorrt_llm/_torch/speculative/utils.py"
+SPEC_UTILS_COMMIT = "011d0933dcb5e592f5fa2626beaf42a96324c578"
+SPEC_INTERFACE_PY = "tensorrt_llm/_torch/speculative/interface.py"
+SPEC_INTERFACE_COMMIT = "00b6d5a25c30b4382d24fbdf52956d601b3ffd24"
 # The matching Triton container ships tensorrtllm_backend and tritonserver; its version follows the
 # TensorRT-LLM release (triton-inference-server/tensorrtllm_backend README, "Using the TensorRT-LLM Backend").
 
@@ -118,7 +135,7 @@ PYTHON_MODEL_FILES = {
 
 # ---- LLM API path (the forward path after the removal) ---------------------------------------------------
 # tensorrt_llm.llmapi.DraftTargetDecodingConfig: fields max_draft_len and speculative_model (alias
-# speculative_model_dir); as a dict, DecodingBaseConfig.from_dict dispatches on decoding_type "DraftTarget"
+# speculative_model_dir); 1.2.1 dispatched a dict on decoding_type "DraftTarget", the pin on "Draft_Target" (below)
 # (gh-pages 1.2.1/_modules/tensorrt_llm/llmapi/llm_args.html @58fb435e; DECODING_TYPES below). The 1.2.1 docs'
 # draft-target example also passes disable_overlap_scheduler=True (1.2.1/features/speculative-decoding.html;
 # not re-checked for 1.3: tests/test_gpu_llmapi.py validates the YAML with the installed TorchLlmArgs).
@@ -150,21 +167,39 @@ LLMAPI_REQUEST_TENSORS = {
 # enable_chunked_prefill, speculative_config.
 LLM_ARGS = ("model", "backend", "tensor_parallel_size", "pipeline_parallel_size", "max_batch_size", "max_num_tokens",
             "max_seq_len", "kv_cache_config", "enable_chunked_prefill", "speculative_config", "disable_overlap_scheduler")  # fmt: skip
-# speculative_config (DecodingBaseConfig.from_dict dispatches on decoding_type): DraftTargetDecodingConfig
-# "DraftTarget", Eagle3DecodingConfig(EagleDecodingConfig) "Eagle3", NGramDecodingConfig "NGram" (with
-# max_matching_ngram_size). DecodingBaseConfig fields (llm_args.py on 2026 main, read through the code
-# index; the file's commit was not resolved): max_draft_len, speculative_model (alias speculative_model_dir),
-# max_concurrency ("speculation will be disabled at batch sizes above this value", PyTorch only),
-# draft_len_schedule ({batch_size: draft_len}; must contain 1 -> max_draft_len, every value <= max_draft_len,
-# 0 switches speculation off; stage 1 covers NGram and the 2-model drafter), acceptance_window and
-# acceptance_length_threshold (speculation off for good once the rolling mean acceptance length of the
-# last N requests drops below the threshold).
-DECODING_TYPES = {"draft_target": "DraftTarget", "eagle3": "Eagle3", "ngram": "NGram"}
-DECODING_BASE_FIELDS = ("max_draft_len", "speculative_model", "max_concurrency", "draft_len_schedule", "acceptance_window",
-                        "acceptance_length_threshold")  # fmt: skip
+# speculative_config is a pydantic union picked by decoding_type (Field(discriminator="decoding_type")) at the pin:
+# llm_args.py @00043967 `class DraftTargetDecodingConfig(DecodingBaseConfig): decoding_type: Literal["Draft_Target"]`,
+# `Eagle3DecodingConfig(EagleDecodingConfig): decoding_type: Literal["Eagle3"]`, `NGramDecodingConfig: Literal["NGram"]`.
+# 1.2.1 and older dispatched through DecodingBaseConfig.from_dict with "DraftTarget" (gh-pages 1.2.1 llm_args.html);
+# the engine flow writes no speculative_config, so only the 1.3 spelling is emitted.
+DECODING_TYPES = {"draft_target": "Draft_Target", "eagle3": "Eagle3", "ngram": "NGram"}
+# DecodingBaseConfig fields specpipe may write (llm_args.py @00043967). The acceptance gate was renamed from
+# acceptance_window / acceptance_length_threshold (1.2.x) to acceptance_rate_window_size / acceptance_rate_threshold
+# (py_executor reads `getattr(spec_config, 'acceptance_rate_window_size', None)`); specpipe writes neither today.
+DECODING_BASE_FIELDS = ("max_draft_len", "speculative_model", "max_concurrency", "draft_len_schedule",
+                        "acceptance_rate_window_size", "acceptance_rate_threshold")  # fmt: skip
+# draft_len_schedule at the pin (utils.py @011d0933 get_draft_len_for_batch_size): "Keys represent specific batch
+# sizes (transition points). Values represent draft_len to use for batch sizes UP TO that key"; above the largest
+# key the draft length is min_draft_len (0 unless the algorithm needs a floor). 1.2.x read a key as "batch size
+# >= key" (drafter.py bisect_right). Which modes honour it: interface.py @00b6d5a2 support_dynamic_draft_len() =
+# mtp_one_model, eagle3_one_model, mtp_eagle_one_model, pard, dflash, draft_target_one_model, sa: not NGram and
+# not the two-model DRAFT_TARGET. max_concurrency ("speculation will be disabled at batch sizes above this
+# value") holds for every drafter.
+SCHEDULE_MODES = ("eagle3",)
+# EagleDecodingConfig.eagle3_layers_to_capture: Optional[Set[int]] (llm_args.py @00043967; "Defaults to {1,
+# num_layers//2-1, num_layers-4}"), read by utils.py get_spec_metadata as layers_to_capture for the Eagle3 modes.
+EAGLE3_LAYERS_KEY = "eagle3_layers_to_capture"
 # An EAGLE-3 head's config.json names this architecture (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, the head the
 # EagleDecodingConfig docstring cites).
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
+# Where such a head names the target layers it was trained on: eagle_config.eagle_aux_hidden_state_layer_ids
+# (the key SpecForge and ModelOpt write into the head's config.json; specpipe distill writes the same). The
+# head's tensors in that format: fc.weight, midlayer.* (one decoder layer), norm.weight, lm_head.weight, d2t, t2d.
+EAGLE3_CONFIG_BLOCK = "eagle_config"
+EAGLE3_LAYER_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+EAGLE3_TENSORS = ("fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
+# vLLM speculators' format names this architecture; TensorRT-LLM's Eagle3 loader does not read it.
+SPECULATORS_ARCHITECTURES = ("Eagle3Speculator",)
 
 # Quantization the PyTorch backend runs (docs/source/features/quantization.md, gh-pages 1.3.0rc27/features/
 # quantization.html: "The default PyTorch backend supports FP4 and FP8 quantization"; recipes FP8, NVFP4,
@@ -207,3 +242,61 @@ TRTLLM_SERVE_CONFIG_FLAG = "--extra_llm_api_options"
 # -> onnx.ModelProto), int8/fp8 through Q/DQ nodes, which specpipe's quantizer writes.
 TENSORRT_MIN_VERSION = "10.12"  # strongly typed networks with fp8 Q/DQ; weak typing deprecated in 10.12
 AUTOCAST_LOW_PRECISION = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+# ---- the table: every tag, key and flag specpipe writes, read once -------------------------------------------
+# tests/test_upstream_table.py builds llama-70b + llama-7b (and an EAGLE-3 head) dry and checks every emitted
+# model.yaml key, decoding_type, trtllm-build flag and config.pbtxt parameter against this table.
+from dataclasses import dataclass  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One name specpipe writes: where it goes, its value where the value is fixed, and where it was read."""
+
+    where: str  # model.yaml | speculative_config | decoding_type | trtllm-build | config.pbtxt:<model>
+    key: str
+    value: object = None  # None: the key is fixed, the value is the build's
+    path: str = ""
+    commit: str = ""
+
+
+_ARGS = (LLM_ARGS_PY, LLM_ARGS_COMMIT)
+_BUILD = ("gh-pages 1.2.1/commands/trtllm-build.html", TRTLLM_ENGINE_DOCS_COMMIT)
+_LLMAPI_MODEL = ("triton_backend/all_models/llmapi/tensorrt_llm/1/model.yaml", "0ebb1536")
+_PBTXT = ("triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt", "0c8de69a")
+
+FACTS: tuple[Fact, ...] = (
+    *(Fact("model.yaml", k, None, *_ARGS) for k in LLM_ARGS),
+    Fact("model.yaml", "triton_config", None, *_LLMAPI_MODEL),
+    Fact("kv_cache_config", "free_gpu_memory_fraction", None, *_ARGS),
+    Fact("kv_cache_config", "enable_block_reuse", None, *_ARGS),
+    Fact("kv_cache_config", "dtype", None, *_ARGS),
+    Fact("decoding_type", "draft_target", DECODING_TYPES["draft_target"], *_ARGS),
+    Fact("decoding_type", "eagle3", DECODING_TYPES["eagle3"], *_ARGS),
+    Fact("decoding_type", "ngram", DECODING_TYPES["ngram"], *_ARGS),
+    *(Fact("speculative_config", k, None, *_ARGS) for k in DECODING_BASE_FIELDS),
+    Fact("speculative_config", "decoding_type", None, *_ARGS),
+    Fact("speculative_config", "max_matching_ngram_size", None, *_ARGS),
+    Fact("speculative_config", EAGLE3_LAYERS_KEY, None, *_ARGS),
+    Fact("draft_len_schedule", "semantics", "up_to_key", SPEC_UTILS_PY, SPEC_UTILS_COMMIT),
+    Fact("trtllm-build", "--checkpoint_dir", None, *_BUILD),
+    Fact("trtllm-build", "--output_dir", None, *_BUILD),
+    Fact("trtllm-build", "--gemm_plugin", "auto", *_BUILD),
+    Fact("trtllm-build", "--use_paged_context_fmha", "enable", *_BUILD),
+    Fact("trtllm-build", "--max_batch_size", None, *_BUILD),
+    Fact("trtllm-build", "--max_input_len", None, *_BUILD),
+    Fact("trtllm-build", "--max_seq_len", None, *_BUILD),
+    Fact("trtllm-build", "--max_num_tokens", None, *_BUILD),
+    Fact("trtllm-build", "--gather_generation_logits", None, *_BUILD),
+    Fact("trtllm-build", "--workers", None, *_BUILD),
+    Fact("trtllm-build", "--speculative_decoding_mode", "draft_tokens_external", *_BUILD),
+    Fact("trtllm-build", "--max_draft_len", None, *_BUILD),
+    Fact("config.pbtxt:tensorrt_llm", "gpt_model_path", None, *_PBTXT),
+    Fact("config.pbtxt:tensorrt_llm", "gpt_model_type", "inflight_fused_batching", *_PBTXT),
+)
+
+
+def facts(where: str) -> dict[str, object]:
+    """The table's keys for one destination, each with its fixed value (None where the build chooses it)."""
+    return {f.key: f.value for f in FACTS if f.where == where}
