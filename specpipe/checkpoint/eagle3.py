@@ -2,7 +2,8 @@
 
 A head in upstream's format (EAGLE's own, SpecForge, ModelOpt, `specpipe distill`) has no tokenizer and no
 causal-LM architecture of its own: config.json names `LlamaForCausalLMEagle3` and, under `eagle_config`, the target
-layers whose hidden states it was trained on. Names are in specpipe/engines/upstream.py with their sources.
+layers whose hidden states it was trained on. The format's names are defined here (checkpoint stage);
+engines/upstream.py lists them beside TensorRT-LLM's other names.
 """
 
 from __future__ import annotations
@@ -13,8 +14,19 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from specpipe.engines import upstream
 from specpipe.errors import UsageError
+
+# An EAGLE-3 head's config.json names this architecture (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, the head the
+# EagleDecodingConfig docstring cites).
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
+# Where such a head names the target layers it was trained on: eagle_config.eagle_aux_hidden_state_layer_ids
+# (the key SpecForge and ModelOpt write into the head's config.json; specpipe distill writes the same). The
+# head's tensors in that format: fc.weight, midlayer.* (one decoder layer), norm.weight, lm_head.weight, d2t, t2d.
+EAGLE3_CONFIG_BLOCK = "eagle_config"
+EAGLE3_LAYER_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+EAGLE3_TENSORS = ("fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
+# vLLM speculators' format names this architecture; TensorRT-LLM's Eagle3 loader does not read it.
+SPECULATORS_ARCHITECTURES = ("Eagle3Speculator",)
 
 
 class Eagle3Head(BaseModel):
@@ -25,7 +37,7 @@ class Eagle3Head(BaseModel):
 
 
 def is_eagle3_architecture(architecture: str) -> bool:
-    return architecture in upstream.EAGLE3_ARCHITECTURES
+    return architecture in EAGLE3_ARCHITECTURES
 
 
 def read_eagle3_head(spec: str) -> Optional[Eagle3Head]:
@@ -36,12 +48,12 @@ def read_eagle3_head(spec: str) -> Optional[Eagle3Head]:
         return None
     config = json.loads(config_path.read_text())
     architecture = (config.get("architectures") or ["unknown"])[0]
-    if architecture in upstream.SPECULATORS_ARCHITECTURES:
+    if architecture in SPECULATORS_ARCHITECTURES:
         raise UsageError(
             f"{spec} is an EAGLE-3 head in vLLM speculators' format ({architecture}); TensorRT-LLM reads heads in"
-            f" EAGLE's format ({', '.join(upstream.EAGLE3_ARCHITECTURES)}): convert it, or export it from SpecForge/ModelOpt"
+            f" EAGLE's format ({', '.join(EAGLE3_ARCHITECTURES)}): convert it, or export it from SpecForge/ModelOpt"
         )
     if not is_eagle3_architecture(architecture):
         return None
-    layers = (config.get(upstream.EAGLE3_CONFIG_BLOCK) or {}).get(upstream.EAGLE3_LAYER_IDS_KEY)
+    layers = (config.get(EAGLE3_CONFIG_BLOCK) or {}).get(EAGLE3_LAYER_IDS_KEY)
     return Eagle3Head(architecture=architecture, layers_to_capture=tuple(int(i) for i in layers) if layers else None)

@@ -8,6 +8,10 @@ edit here fails a test instead of passing silently.
 
 from __future__ import annotations
 
+# The head's format is a checkpoint fact; re-exported here so this file lists every upstream name.
+from specpipe.checkpoint.eagle3 import (EAGLE3_ARCHITECTURES, EAGLE3_CONFIG_BLOCK, EAGLE3_LAYER_IDS_KEY,  # noqa: F401
+                                       EAGLE3_TENSORS, SPECULATORS_ARCHITECTURES)
+
 # ---- TensorRT-LLM: which release still has the TensorRT engine path ------------------------------------
 # TensorRT-LLM deprecated (PR 11723, 2026-02) and then removed the TensorRT engine backend: examples with
 # convert_checkpoint.py/trtllm-build (PR 15763), the C++ Triton backend `inflight_batcher_llm` (PR 15907),
@@ -189,17 +193,7 @@ SCHEDULE_MODES = ("eagle3",)
 # EagleDecodingConfig.eagle3_layers_to_capture: Optional[Set[int]] (llm_args.py @00043967; "Defaults to {1,
 # num_layers//2-1, num_layers-4}"), read by utils.py get_spec_metadata as layers_to_capture for the Eagle3 modes.
 EAGLE3_LAYERS_KEY = "eagle3_layers_to_capture"
-# An EAGLE-3 head's config.json names this architecture (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, the head the
-# EagleDecodingConfig docstring cites).
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
-# Where such a head names the target layers it was trained on: eagle_config.eagle_aux_hidden_state_layer_ids
-# (the key SpecForge and ModelOpt write into the head's config.json; specpipe distill writes the same). The
-# head's tensors in that format: fc.weight, midlayer.* (one decoder layer), norm.weight, lm_head.weight, d2t, t2d.
-EAGLE3_CONFIG_BLOCK = "eagle_config"
-EAGLE3_LAYER_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
-EAGLE3_TENSORS = ("fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
-# vLLM speculators' format names this architecture; TensorRT-LLM's Eagle3 loader does not read it.
-SPECULATORS_ARCHITECTURES = ("Eagle3Speculator",)
+# The head's own format (architecture, captured-layer key, tensor names) is a checkpoint fact: checkpoint/eagle3.py.
 
 # Quantization the PyTorch backend runs (docs/source/features/quantization.md, gh-pages 1.3.0rc27/features/
 # quantization.html: "The default PyTorch backend supports FP4 and FP8 quantization"; recipes FP8, NVFP4,
