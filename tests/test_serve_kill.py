@@ -246,7 +246,8 @@ def test_readiness_is_never_taken_from_another_server(repo):
         server = TritonServer(repo, ServerConfig(http_port=other.server_address[1], ready_timeout_s=DEADLINE_S))
         server.process = subprocess.Popen(["sleep", str(DEADLINE_S)])  # stands in for our own server, alive
         server._started = time.perf_counter()
-        with pytest.raises(ServerError, match=r"another server answers on .* \(id 'someone-else', not this start's specpipe-") as caught:
+        refusal = r"another server answers on .* \(id 'someone-else', not this start's specpipe-"
+        with pytest.raises(ServerError, match=refusal) as caught:
             server.wait_ready()
         assert f"pid {os.getpid()}" in str(caught.value) and "\n" not in str(caught.value)
         assert server.process.poll() is not None  # ours was stopped, not left waiting

@@ -10,7 +10,6 @@ onnxruntime, specpipe) as the process that started the server.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 import os
@@ -213,9 +212,8 @@ class TritonServer:
             # Own session: a Ctrl-C in the terminal reaches us, and we stop the server in order; its stubs share
             # its process group, so one killpg ends the whole tree.
             # cwd = the repository: the caller's folder must not leak onto the stub's sys.path ('' is on it).
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.repo,
-                                            stdin=subprocess.DEVNULL, start_new_session=True,
-                                            preexec_fn=_dies_with_parent())
+            self.process = subprocess.Popen(dies_with_parent(self.command()), stdout=log, stderr=subprocess.STDOUT,
+                                            env=env, cwd=self.repo, stdin=subprocess.DEVNULL, start_new_session=True)
         self._started = time.perf_counter()
         return self
 
@@ -332,25 +330,22 @@ class TritonServer:
         return failure_reason(lines)
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Run in the child before it becomes tritonserver (os.execv keeps its pid): the kernel sends it SIGKILL when the
+# thread that started it exits, however it exits (a `kill -9` of specpipe left tritonserver and its 970 MB stub
+# serving on for good). SIGKILL, not SIGTERM: no one is left to wait for a drain, and the stubs' watchdog ends
+# them and removes their regions as soon as the server is gone. A separate interpreter, not a preexec_fn: that
+# runs between fork and exec, where a lock another thread held at the fork can deadlock the child.
+_DIES_WITH_PARENT = ("import ctypes, os, signal, sys; PR_SET_PDEATHSIG = 1\n"
+                     "ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))\n"
+                     "if os.getppid() != int(sys.argv[1]): os._exit(1)  # the parent died before prctl took effect\n"
+                     "os.execv(sys.argv[2], sys.argv[2:])")
 
 
-def _dies_with_parent():
-    """A preexec_fn: the child gets SIGKILL when the thread that started it exits, however it exits (a `kill -9`
-    of specpipe left tritonserver and its 970 MB stub serving on for good). SIGKILL, not SIGTERM: no one is left
-    to wait for a drain, and the stubs' watchdog ends them and removes their regions as soon as the server is
-    gone. None where there is no prctl (not Linux)."""
-    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None) if sys.platform.startswith("linux") else None
-    if prctl is None:
-        return None
-    parent, kill = os.getpid(), int(signal.SIGKILL)
-
-    def die_with_parent() -> None:  # in the child, between fork and exec: nothing that could take a lock
-        prctl(PR_SET_PDEATHSIG, kill)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return die_with_parent
+def dies_with_parent(command: list[str]) -> list[str]:
+    """`command`, run so that it dies with the calling thread (Linux; elsewhere as it is)."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-S", "-E", "-c", _DIES_WITH_PARENT, str(os.getpid()), *command]
 
 
 # Triton's log lines that appear on every CPU-only start and explain nothing.
