@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Strict(BaseModel):
@@ -20,7 +21,21 @@ PeerName = Literal["hf", "openvino", "ortgenai", "llamacpp"]
 
 # Intra-op threads of ONNX Runtime (and torch) wherever none are given: the README's measurements use 2.
 THREADS = 2
-THREADS_HELP = "ONNX Runtime intra-op threads"
+# The most any command takes: past a few per CPU, threads only wait on each other (--threads 100000 hung
+# ONNX Runtime's session start for minutes before anything was printed).
+MAX_THREADS = 4 * (os.cpu_count() or 1)
+THREADS_HELP = f"ONNX Runtime intra-op threads (1 to {MAX_THREADS}: 4 per CPU of this machine)"
+
+
+def _threads_fit_this_machine(threads: int) -> int:
+    if threads > MAX_THREADS:
+        raise ValueError(f"{threads} is more than {MAX_THREADS} (4 per CPU of this machine): more only wait on each other")
+    return threads
+
+
+Threads = Annotated[int, Field(ge=1), AfterValidator(_threads_fit_this_machine)]
+# A build's folder name (--name): it becomes a path and a word in commands people paste into a shell.
+NAME_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}"
 # The longest sequence an engine is built for when the model's context is longer (or --max-seq-len not given).
 MAX_SEQ_LEN = 8192
 
@@ -59,7 +74,7 @@ class GenerationConfig(Strict):
     speculative: bool = True
     stop: list[str] = Field(default_factory=list, description="stop strings (checked on decoded text)")
     stop_on_eos: bool = True
-    seed: Optional[int] = Field(None, description="seed for sampling; None = nondeterministic")
+    seed: Optional[int] = Field(None, ge=0, description="seed for sampling; None = nondeterministic")
 
     @model_validator(mode="after")
     def _adaptive_k_fits(self) -> "GenerationConfig":
@@ -68,6 +83,12 @@ class GenerationConfig(Strict):
                 f"num_draft_tokens {self.num_draft_tokens} > max_draft_tokens {self.max_draft_tokens} (adaptive K starts there)"
             )
         return self
+
+
+class RuntimeConfig(Strict):
+    """How a deployment's engines run in this process (`generate ENGINE_DIR`, `validate`'s in-process engines)."""
+
+    threads: Threads = Field(THREADS, description=THREADS_HELP)
 
 
 class BuildConfig(Strict):
@@ -110,8 +131,9 @@ class BuildConfig(Strict):
     @field_validator("name")
     @classmethod
     def _name_is_a_folder_name(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and (not v or "/" in v or v in {".", ".."}):
-            raise ValueError(f"--name must be a plain folder name, got {v!r}")
+        if v is not None and not re.fullmatch(NAME_PATTERN, v):
+            raise ValueError(f"{v!r} is not a plain folder name: letters, digits and . _ + - only, at most 128, "
+                             "not starting with . + or -")
         return v
 
     @field_validator("draft", mode="before")
@@ -373,7 +395,7 @@ class DistillConfig(Strict):
     checkpoint_every: int = Field(50, ge=1, description="steps between saved training states (for --resume)")
     resume: bool = Field(False, description="continue a stopped run from OUT's saved training state")
     force: bool = Field(False, description="replace an existing OUT")
-    threads: int = Field(THREADS, ge=1, description="torch threads")
+    threads: Threads = Field(THREADS, description="torch threads")
 
 
 class BenchConfig(Strict):
@@ -396,7 +418,7 @@ class BenchConfig(Strict):
         None, description="fixed K values for the peers' draft-model rows (default: the -k values)"
     )
     max_new_tokens: int = Field(128, ge=1)
-    threads: int = Field(THREADS, ge=1, description="threads of every engine: ONNX Runtime intra-op, torch, and each peer's own")
+    threads: Threads = Field(THREADS, description="threads of every engine: ONNX Runtime intra-op, torch, and each peer's own")
     chat: bool = Field(True, description="apply the tokenizer's chat template to each prompt")
     max_prompts: Optional[int] = Field(None, ge=1, description="use only the first N prompts of each set")
     warmup_prompts: int = Field(1, ge=0, description="untimed runs per row before measuring")
@@ -594,7 +616,7 @@ class OnnxRuntimeBackend(Strict):
     """CPU engines: exported, optimized for ONNX Runtime, checked against torch and timed on this machine."""
 
     kind: Literal["onnxruntime"] = "onnxruntime"
-    threads: int = Field(THREADS, ge=1, description=THREADS_HELP)
+    threads: Threads = Field(THREADS, description=THREADS_HELP)
     export_tolerance: float = Field(1e-3, gt=0, description="max |logit diff| engine vs torch (fp32)")
     max_batch_size: int = Field(
         16, ge=1, le=256,

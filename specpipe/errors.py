@@ -91,3 +91,16 @@ class GateFailedError(SpecpipeError):
     def __init__(self, failed_checks: list[str], report_path: str):
         self.failed_checks, self.report_path = list(failed_checks), report_path
         super().__init__(f"gate failed: {', '.join(self.failed_checks)} (report: {report_path})")
+
+
+def require_text(text: str, what: str) -> str:
+    """`text` if it is valid Unicode, else UsageError naming the first bad byte. Python decodes command-line
+    arguments that are not UTF-8 into lone surrogates (U+DC80..U+DCFF stand for the bytes 0x80..0xFF), which
+    a tokenizer rejects with a TypeError and no hint."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        bad = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
+        raise UsageError(f"{what} is not valid UTF-8 text: {bad} at character {err.start}") from None
+    return text

@@ -30,9 +30,11 @@ class PromptSet:
 def read_prompt_file(path: Path, name: str | None = None) -> PromptSet:
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as err:
         raise UsageError(f"--prompts {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"--prompts {path}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start})") from None
     prompts = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

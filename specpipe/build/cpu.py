@@ -51,6 +51,8 @@ from specpipe.speculative.adaptive import BatchCosts, StepCosts, measure_batch_c
 from specpipe.triton.repository import DEFAULT_MODEL_NAME, write_repository
 
 Progress = Callable[[str], None]
+
+
 def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     """Build engines/<name>/ (and the Triton repository when cfg.repo_dir is set). Returns the folder.
 
@@ -65,6 +67,7 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         raise OutputExistsError(f"{final} exists; pass --force to replace it")
     if cfg.repo_dir is not None and (Path(cfg.repo_dir) / DEFAULT_MODEL_NAME).exists() and not cfg.force:
         raise OutputExistsError(f"{Path(cfg.repo_dir) / DEFAULT_MODEL_NAME} exists; pass --force to replace it")
+    _require_folders(cfg)
     from specpipe.quantize import check_kv_cache_dtype
 
     check_kv_cache_dtype(cfg.quant, cfg.backend.kind)  # refuse, never silently ignore, a KV precision we cannot do
@@ -128,6 +131,18 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         say(f"wrote the Triton model repository {model_dir}")
     return final
 
+
+
+def _require_folders(cfg: BuildConfig) -> None:
+    """--engines-dir and --repo-dir are folders or can be made: before minutes of exporting, not after."""
+    for option, folder in (("--engines-dir", cfg.engines_dir), ("--repo-dir", cfg.repo_dir)):
+        if folder is None:
+            continue
+        folder = Path(folder)
+        blocker = next((path for path in (folder, *folder.parents) if path.exists() and not path.is_dir()), None)
+        if blocker is not None:
+            where = "" if blocker == folder else f" ({blocker} is a file)"
+            raise UsageError(f"{option} {folder} is not a folder{where}")
 
 def _build_draft(spec: str, kind: str, out: Path, stage: Path, cfg: BuildConfig, draft, vocab: Optional[dict], target,
                  tokenizer, say: Progress, timings: dict, target_entry: ModelEntry) -> DraftEntry:

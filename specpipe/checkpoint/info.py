@@ -7,7 +7,6 @@ it always had; the architecture numbers are read as a plan reads them (facts.py 
 from __future__ import annotations
 
 import json
-import struct
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -17,7 +16,8 @@ from pydantic import BaseModel, ConfigDict
 from specpipe.checkpoint.cache import weight_files
 from specpipe.checkpoint.facts import CONFIG_KEYS, config_numbers
 from specpipe.checkpoint.gguf_convert import read_source_record
-from specpipe.checkpoint.load import architecture_of, is_causal_lm, load_config, load_tokenizer, tokenizer_hash
+from specpipe.checkpoint.load import (architecture_of, is_causal_lm, load_config, load_tokenizer, safetensors_header,
+                                      tokenizer_hash)
 
 _SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -110,9 +110,7 @@ def _safetensors_summary(files: list[Path]) -> tuple[int, Optional[str]]:
     """(parameter count, dominant dtype) from the safetensors headers alone: no weights are read."""
     elements: Counter[str] = Counter()
     for file in files:
-        with open(file, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
+        header = safetensors_header(file)
         for name, tensor in header.items():
             if name != "__metadata__":
                 count = 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from pathlib import Path
 
 from specpipe.checkpoint.cache import PICKLE_SUFFIXES, weight_files
@@ -62,6 +63,44 @@ def require_safe_weights(path: Path, *, allow_pickle: bool) -> None:
             f"{path} has only pickle weights ({', '.join(f.name for f in files[:3])}), which can run code"
             " when loaded; convert them to safetensors or pass --allow-pickle if you trust the source"
         )
+    for file in files:
+        if file.suffix == ".safetensors":
+            safetensors_header(file)  # whole, or CheckpointError
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index} is not a safetensors index (no weight_map)") from None
+        missing = [shard for shard in shards if not (path / shard).is_file()]
+        if missing:
+            raise CheckpointError(f"{path} is missing {len(missing)} of the {len(shards)} weight shards its index lists: "
+                                  f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+
+
+def safetensors_header(file: Path) -> dict:
+    """The header of a safetensors file (tensor name -> dtype, shape, data_offsets), once its size is checked: the
+    header says where each tensor's bytes end, so a truncated download (or one with bytes appended) is caught
+    without reading the weights. CheckpointError names the sizes."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        prefix = f.read(8)
+        header_len = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
+        if header_len is None or 8 + header_len > size:
+            raise CheckpointError(f"{file} is truncated or not safetensors: {size:,} bytes, too short for its own header")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+        ends = [int(tensor["data_offsets"][1]) for name, tensor in header.items() if name != "__metadata__"]
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise CheckpointError(f"{file} is not a safetensors file: its header is not JSON with data_offsets") from None
+    expected = 8 + header_len + max(ends, default=0)
+    if size < expected:
+        raise CheckpointError(f"{file} is truncated: {size:,} of the {expected:,} bytes its header lists "
+                              f"({size / expected:.0%}); download it again")
+    if size > expected:
+        raise CheckpointError(f"{file} is broken: {size:,} bytes where its header lists {expected:,}")
+    return header
 
 
 def load_causal_lm(path: Path, *, allow_pickle: bool = False):

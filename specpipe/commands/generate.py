@@ -8,7 +8,7 @@ from typing import Optional
 
 import click
 
-from specpipe.config import THREADS, THREADS_HELP, GenerationConfig, SamplingConfig, field_default, make_config
+from specpipe.config import GenerationConfig, RuntimeConfig, SamplingConfig, field_default, field_help, make_config
 from specpipe.errors import UsageError
 
 
@@ -28,7 +28,8 @@ from specpipe.errors import UsageError
 @click.option("--top-p", type=float, default=field_default(SamplingConfig, "top_p"), show_default=True, help="In (0, 1].")
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--threads", type=int, default=THREADS, show_default=True, help=f"{THREADS_HELP}.")
+@click.option("--threads", type=int, default=field_default(RuntimeConfig, "threads"), show_default=True,
+              help=field_help(RuntimeConfig, "threads") + ".")
 @click.option("--url", default=None, help="Triton gRPC address (e.g. 127.0.0.1:8001) instead of ENGINE_DIR.")
 @click.option("--stream", is_flag=True, help="Print text as it is accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
@@ -39,6 +40,7 @@ def generate(engine_dir: Optional[Path], prompt, chat, max_tokens, num_draft_tok
     fixed_k = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens, "draft_length": "fixed"}
     cfg = make_config(GenerationConfig, sampling=sampling, max_new_tokens=max_tokens, **fixed_k,
                       speculative=not no_speculative, stop=list(stop), seed=seed)
+    runtime = make_config(RuntimeConfig, threads=threads)
     if (engine_dir is None) == (url is None):
         raise UsageError("give either ENGINE_DIR or --url")
     if url is not None:
@@ -52,7 +54,7 @@ def generate(engine_dir: Optional[Path], prompt, chat, max_tokens, num_draft_tok
     else:
         from specpipe.deployment import load_deployment
 
-        deployment = load_deployment(engine_dir, threads=threads)
+        deployment = load_deployment(engine_dir, threads=runtime.threads)
         cfg = deployment.generation_config(**cfg.model_dump())
         generation = deployment.generator.start(deployment.generator.encode(prompt, chat), cfg)
         for chunk in generation:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import click
 
-from specpipe.config import THREADS, THREADS_HELP
+from specpipe.config import RuntimeConfig, field_default, field_help, make_config
 from specpipe.errors import GateFailedError, UsageError
 
 DEFAULT_REPORT_DIR = Path("reports/gate")
@@ -26,7 +26,8 @@ DEFAULT_REPORT_DIR = Path("reports/gate")
 @click.option("--report-dir", type=click.Path(path_type=Path), default=DEFAULT_REPORT_DIR, show_default=True,
               help="Where junit.xml, report.json and report.html go.")
 @click.option("--remeasure", is_flag=True, help="Measure quantization accuracy again instead of reading the manifest.")
-@click.option("--threads", type=int, default=THREADS, show_default=True, help=f"{THREADS_HELP} for in-process engines.")
+@click.option("--threads", type=int, default=field_default(RuntimeConfig, "threads"), show_default=True,
+              help=field_help(RuntimeConfig, "threads") + " for in-process engines.")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json instead of the summary.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def validate(target: Optional[Path], gate_file, in_process, url, engines, model_name, report_dir, remeasure, threads,
@@ -47,13 +48,12 @@ def validate(target: Optional[Path], gate_file, in_process, url, engines, model_
         raise UsageError("give TARGET (a Triton repository, or engines/NAME with --in-process) or --url")
     if url is None and not in_process and (target / "manifest.json").is_file():
         raise UsageError(f"{target} is an engines folder: add --in-process, or validate its Triton repository")
-    if threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {threads}")
+    runtime = make_config(RuntimeConfig, threads=threads)
     mode = "url" if url is not None else "in-process" if in_process else "repo"
 
     gate = load_gate(gate_file)
     report = run_gate(url or target, gate, mode, report_dir, engines=engines, model_name=model_name,
-                      remeasure=remeasure, threads=threads, progress=not quiet)
+                      remeasure=remeasure, threads=runtime.threads, progress=not quiet)
     if as_json:
         click.echo((report.report_dir / "report.json").read_text(), nl=False)
     else:

@@ -12,7 +12,7 @@ from typing import Iterator, Optional, Sequence
 
 from specpipe.config import GenerationConfig
 from specpipe.engines.base import Engine
-from specpipe.errors import UsageError
+from specpipe.errors import UsageError, require_text
 from specpipe.speculative.adaptive import StepCosts
 from specpipe.speculative.decoder import SpeculativeDecoder
 from specpipe.speculative.drafters import Drafter
@@ -193,6 +193,7 @@ class SpecGenerator:
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if not prompt:
             raise UsageError("the prompt is empty")
+        require_text(prompt, "the prompt")
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise UsageError("--chat: this tokenizer has no chat template")

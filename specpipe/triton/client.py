@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from specpipe.config import GenerationConfig
-from specpipe.errors import ServerError
+from specpipe.errors import ServerError, require_text
 
 DEFAULT_MODEL = "ensemble"
 # TensorRT-LLM's perf-metric outputs, kept from the final response in result["perf"].
@@ -64,7 +64,7 @@ def check_ready(url: str, model_name: str = DEFAULT_MODEL, timeout_s: float = 3.
 def request_tensors(prompt: str, cfg: GenerationConfig, *, stream: bool, chat: bool = False) -> dict[str, np.ndarray]:
     """The request as numpy arrays with the batch dimension, TensorRT-LLM style ([1, 1] per scalar)."""
     return {
-        "text_input": np.array([[prompt.encode("utf-8")]], dtype=np.object_),
+        "text_input": np.array([[require_text(prompt, "the prompt").encode("utf-8")]], dtype=np.object_),
         "max_tokens": np.array([[cfg.max_new_tokens]], dtype=np.int32),
         "stream": np.array([[stream]], dtype=bool),
         "exclude_input_in_output": np.array([[True]], dtype=bool),

@@ -11,6 +11,7 @@ onnxruntime, specpipe) as the process that started the server.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import secrets
@@ -32,7 +33,9 @@ from pydantic import Field
 
 from specpipe.config import Strict
 from specpipe.errors import ServerError, UsageError
-from specpipe.triton.stubs import TOKEN_HEX, Cleanup, clean_leftovers, clean_server, shm_prefix
+from specpipe.triton.ports import listeners
+from specpipe.triton.stubs import (TOKEN_HEX, Cleanup, clean_leftovers, clean_server, end_orphaned_servers, find_servers,
+                                   server_id, shm_prefix)
 
 
 class ServerConfig(Strict):
@@ -127,7 +130,11 @@ class TritonServer:
 
     Nothing of a server outlives it: once it has exited, however it ended, stop() ends the Python-backend
     stubs it left and removes their shared memory (`cleanup` says what there was); start() first removes
-    what an earlier server of the same repository left (`leftovers`).
+    what an earlier server of the same repository left (`leftovers`). The server dies with the thread that
+    started it, even by SIGKILL (PR_SET_PDEATHSIG), and its stubs follow it (their watchdog). Readiness is
+    only ever taken from this server: its ports must be free before it starts (an orphaned server of an
+    earlier specpipe is ended, anything else is named in the error), and the server answering must carry
+    this start's `--id`.
     """
 
     def __init__(self, repo: Path, config: Optional[ServerConfig] = None, *, log_path: Optional[Path] = None,
@@ -140,7 +147,9 @@ class TritonServer:
         self.process: Optional[subprocess.Popen] = None
         self.ready_s: Optional[float] = None
         # Regions named for this server alone: what it leaves can be told from other servers' (ours or not).
-        self.shm_prefix = shm_prefix(self.repo, secrets.token_hex(TOKEN_HEX // 2))
+        token = secrets.token_hex(TOKEN_HEX // 2)
+        self.shm_prefix = shm_prefix(self.repo, token)
+        self.server_id = server_id(token)  # what GET /v2 answers: the readiness check knows its own server
         self.leftovers = Cleanup()
         self.cleanup = Cleanup()
         self._cleaned = False
@@ -168,6 +177,7 @@ class TritonServer:
         cfg, install = self.config, self.install
         cmd = [
             str(install.binary),
+            f"--id={self.server_id}",
             f"--model-repository={self.repo}",
             f"--grpc-address={cfg.host}", f"--grpc-port={cfg.grpc_port}",
             f"--http-address={cfg.host}", f"--http-port={cfg.http_port}",
@@ -184,12 +194,15 @@ class TritonServer:
         return cmd
 
     def start(self) -> "TritonServer":
+        """Start the server (not waiting for it). Call it from the thread that lives as long as the server should:
+        the kernel ends the server when that thread exits, however it exits."""
         if not self.repo.is_dir():
             raise UsageError(f"no such model repository: {self.repo}")
         if not any(p.is_dir() and not p.name.startswith(".") for p in self.repo.iterdir()):
             raise UsageError(f"{self.repo} holds no models; write one with `specpipe build` (--repo-dir)")
         self.install = self.install or find_tritonserver()
-        self.leftovers = clean_leftovers(self.repo)
+        self.leftovers = self._claim_ports()
+        self.leftovers += clean_leftovers(self.repo)
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"specpipe-triton-{self.config.grpc_port}-", suffix=".log")
             os.close(fd)
@@ -199,8 +212,8 @@ class TritonServer:
             # Own session: a Ctrl-C in the terminal reaches us, and we stop the server in order; its stubs share
             # its process group, so one killpg ends the whole tree.
             # cwd = the repository: the caller's folder must not leak onto the stub's sys.path ('' is on it).
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.repo,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+            self.process = subprocess.Popen(dies_with_parent(self.command()), stdout=log, stderr=subprocess.STDOUT,
+                                            env=env, cwd=self.repo, stdin=subprocess.DEVNULL, start_new_session=True)
         self._started = time.perf_counter()
         return self
 
@@ -221,11 +234,41 @@ class TritonServer:
             time.sleep(0.1)
 
     def _is_ready(self) -> bool:
+        """This server (its --id) answers and says every model is loaded. Another server answering on our port
+        is a ServerError naming it, never a ready server."""
         try:
+            with urllib.request.urlopen(f"{self.http_url}/v2", timeout=2) as response:
+                answering = json.loads(response.read()).get("name")
+            if answering != self.server_id:
+                holders = "; ".join(holder.describe() for holder in listeners(self.config.http_port, self.config.host))
+                self.stop()
+                raise ServerError(f"another server answers on {self.http_url} (id {answering!r}, not this start's "
+                                  f"{self.server_id}): {holders or 'it could not be found'}")
             with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as response:
                 return response.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError, AttributeError):
             return False
+
+    def _ports(self) -> dict[str, int]:
+        return {"--grpc-port": self.config.grpc_port, "--http-port": self.config.http_port,
+                "--metrics-port": self.config.metrics_port}
+
+    def _claim_ports(self) -> Cleanup:
+        """Before starting: end the orphaned servers (their specpipe is gone) that hold one of our ports or serve our
+        repository; then any other process listening on one of our ports is a ServerError that names it."""
+        held: dict[int, list[str]] = {}
+        for option, port in self._ports().items():
+            for holder in listeners(port, self.config.host):
+                held.setdefault(holder.pid, []).append(f"{option} {port}")
+        orphans = [server for server in find_servers() if server.orphaned and (server.pid in held or server.repo == self.repo)]
+        why = {pid: "it held " + ", ".join(ports) for pid, ports in held.items()}
+        ended = end_orphaned_servers(orphans, why) if orphans else Cleanup()
+        for option, port in self._ports().items():
+            holders = listeners(port, self.config.host)
+            if holders:
+                raise ServerError(f"{option} {port} is in use by {'; '.join(holder.describe() for holder in holders)}: "
+                                  f"stop it or choose another {option}")
+        return ended
 
     def stop(self, timeout: Optional[float] = None) -> Optional[int]:
         """SIGTERM (Triton drains in-flight requests for exit_timeout_s), then SIGKILL to its process group if it
@@ -244,10 +287,10 @@ class TritonServer:
         return self.process.returncode
 
     def leftovers_note(self) -> str:
-        """One line on what an earlier server of this repository left and start() removed ('' when nothing)."""
+        """One line on what earlier servers left and start() ended or removed ('' when nothing)."""
         if not self.leftovers:
             return ""
-        return f"cleaned up after an earlier server of {self.repo}: {self.leftovers.describe()}"
+        return f"cleaned up after an earlier server: {self.leftovers.describe()}"
 
     @property
     def running(self) -> bool:
@@ -285,6 +328,24 @@ class TritonServer:
         """One line saying why the server stopped or is not ready, read from its log."""
         lines = self.log_tail(400)
         return failure_reason(lines)
+
+
+# Run in the child before it becomes tritonserver (os.execv keeps its pid): the kernel sends it SIGKILL when the
+# thread that started it exits, however it exits (a `kill -9` of specpipe left tritonserver and its 970 MB stub
+# serving on for good). SIGKILL, not SIGTERM: no one is left to wait for a drain, and the stubs' watchdog ends
+# them and removes their regions as soon as the server is gone. A separate interpreter, not a preexec_fn: that
+# runs between fork and exec, where a lock another thread held at the fork can deadlock the child.
+_DIES_WITH_PARENT = ("import ctypes, os, signal, sys; PR_SET_PDEATHSIG = 1\n"
+                     "ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))\n"
+                     "if os.getppid() != int(sys.argv[1]): os._exit(1)  # the parent died before prctl took effect\n"
+                     "os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def dies_with_parent(command: list[str]) -> list[str]:
+    """`command`, run so that it dies with the calling thread (Linux; elsewhere as it is)."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-S", "-E", "-c", _DIES_WITH_PARENT, str(os.getpid()), *command]
 
 
 # Triton's log lines that appear on every CPU-only start and explain nothing.

@@ -1,10 +1,13 @@
-"""The Python-backend stub processes a tritonserver starts (one per model instance) and their shared memory.
+"""What a tritonserver leaves behind: the Python-backend stub processes it starts (one per model instance),
+their shared memory, and the server itself when the specpipe process that started it is gone.
 
 A stub outlives a server that is killed: it keeps every engine it loaded in memory (1.1 GB for the SmolLM2
 demo), ignores SIGTERM, and its region stays in /dev/shm. This module finds stubs by their command line,
 ends them and removes their regions (`TritonServer` does so once its server has exited, and before it starts
 a server, for what an earlier server of the same repository left), and gives model.py a watchdog that ends
-the stub itself as soon as its server is gone.
+the stub itself as soon as its server is gone. A server outlives the specpipe that started it only if the
+kernel could not end it (see `TritonServer.start`); its `--id` names that specpipe, so the next start can
+tell such an orphan from a server someone runs, and end it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import re
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
@@ -81,12 +84,20 @@ class Cleanup:
     rss_bytes: int = 0
     regions: int = 0
     region_bytes: int = 0
+    servers: list[str] = field(default_factory=list)  # one phrase per orphaned server ended
 
     def __bool__(self) -> bool:
-        return bool(self.stubs or self.regions)
+        return bool(self.stubs or self.regions or self.servers)
+
+    def __add__(self, other: "Cleanup") -> "Cleanup":
+        return Cleanup(self.stubs + other.stubs, self.rss_bytes + other.rss_bytes, self.regions + other.regions,
+                       self.region_bytes + other.region_bytes, self.servers + other.servers)
 
     def describe(self) -> str:
         parts = []
+        if self.servers:
+            count = len(self.servers)
+            parts.append(f"ended {count} orphaned tritonserver{'s' if count > 1 else ''} ({'; '.join(self.servers)})")
         if self.stubs:
             processes = f"{self.stubs} stub process{'es' if self.stubs > 1 else ''}"
             parts.append(f"ended {processes} ({_size(self.rss_bytes)} resident)")
@@ -171,6 +182,88 @@ def clean_leftovers(repo: Path) -> Cleanup:
 
 def _inside(path: Path, folder: Path) -> bool:
     return path.resolve().is_relative_to(folder)
+
+
+# -- servers whose specpipe is gone ----------------------------------------------------------------------
+
+SERVER_BINARY = "tritonserver"
+
+
+def server_id(token: str) -> str:
+    """The `--id` of a server this process starts: Triton's server metadata (GET /v2) answers it, so a readiness
+    check knows the server it reaches is its own; and it names this process, so an orphan can be told."""
+    return f"specpipe-{os.getpid()}-{token}"
+
+
+_SERVER_ID = re.compile(r"--id=specpipe-(?P<starter>\d+)-(?P<token>[0-9a-f]+)$")
+
+
+@dataclass(frozen=True)
+class ServerProcess:
+    """A running tritonserver that specpipe started (its --id says which specpipe process did)."""
+
+    pid: int
+    starter_pid: int
+    parent_pid: int
+    server_id: str
+    repo: Path
+    shm_prefix: str
+
+    @property
+    def orphaned(self) -> bool:
+        """The specpipe that started it is gone: a server is re-parented (to init or a subreaper) when its parent dies."""
+        return self.parent_pid != self.starter_pid
+
+
+def read_server(pid: int) -> Optional[ServerProcess]:
+    """The specpipe-started tritonserver with this pid, or None (not one, not ours to read, or exited)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        if Path(argv[0]).name != SERVER_BINARY:
+            return None
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("Z", "X"):
+        return None
+    options = dict(arg[2:].split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
+    match = _SERVER_ID.match(f"--id={options.get('id', '')}")
+    prefix = options.get("backend-config", "").partition("shm-region-prefix-name=")[2]
+    if match is None or "model-repository" not in options:
+        return None
+    return ServerProcess(pid, int(match["starter"]), int(fields[1]), options["id"], Path(options["model-repository"]),
+                         prefix)
+
+
+def _serving(server: ServerProcess) -> bool:
+    now = read_server(server.pid)
+    return now is not None and now.server_id == server.server_id  # not a new process that got the same pid
+
+
+def find_servers() -> list[ServerProcess]:
+    return [server for pid in _pids() if (server := read_server(pid)) is not None]
+
+
+def end_orphaned_servers(servers: list[ServerProcess], why: dict[int, str], timeout_s: float = 30.0) -> Cleanup:
+    """SIGKILL each orphaned server's process group (the server and its stubs), wait until it is gone, then remove
+    what its stubs left. `why` adds a phrase per pid (the port it held) to the one-line account."""
+    ended = Cleanup()
+    for server in servers:
+        if not server.orphaned:
+            raise ValueError(f"pid {server.pid} is not an orphan: its specpipe (pid {server.starter_pid}) runs")
+        try:
+            os.killpg(server.pid, signal.SIGKILL)  # started with its own session: group id = its pid
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # another user's: the caller names it as what holds the port
+            continue
+        deadline = time.monotonic() + timeout_s
+        while _serving(server) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ended += clean_server(server.shm_prefix) if server.shm_prefix else Cleanup()
+        ended.servers.append(f"pid {server.pid} serving {server.repo}, whose specpipe (pid {server.starter_pid}) is "
+                             f"gone" + (f"; {why[server.pid]}" if server.pid in why else ""))
+    return ended
 
 
 # -- in the stub ------------------------------------------------------------------------------------------
