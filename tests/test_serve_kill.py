@@ -99,6 +99,7 @@ def _refused(http_port: int) -> bool:
     return False
 
 
+@pytest.mark.timing
 def test_serve_killed_with_sigkill_takes_its_server_stubs_and_shared_memory_with_it(repo):
     cfg = _ports()
     process = _serve(repo, cfg)
@@ -169,6 +170,7 @@ def _leave_an_orphan(repo: Path, cfg: ServerConfig) -> tuple[int, str]:
     return int(pid), server_id
 
 
+@pytest.mark.timing
 def test_the_next_serve_ends_an_orphan_on_its_ports_says_so_and_trusts_only_its_own_server(repo):
     cfg = _ports()
     orphan_pid, orphan_id = _leave_an_orphan(repo, cfg)
