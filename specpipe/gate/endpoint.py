@@ -210,9 +210,6 @@ class EndpointSubject(Subject):
         """Both sides of the greedy check give token ids (else it compares text)."""
         return self.caps.token_ids and (self.reference_client is None or self.reference_caps.token_ids)
 
-    def encode(self, text: str) -> list[int]:
-        return self.reference.generator.encode(text, self.chat)
-
     def without_draft(self) -> bool:
         return False  # an endpoint does not say; thresholds on what a draft adds are applied
 

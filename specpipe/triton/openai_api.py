@@ -31,9 +31,8 @@ import json
 import threading
 import time
 import uuid
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -310,16 +309,16 @@ class _Handler(BaseHTTPRequestHandler):
         pieces = iter(generation)
         try:  # the first response decides: a refusal is an HTTP error, before any byte of a stream is sent
             first = next(pieces, None)
+            if not request.stream:
+                text = (first or "") + "".join(pieces)
+                self._json(200, self._whole(request, generation.result, text, ident, created, kind, chat))
+                return
         except ServerError as err:
             self.close_connection = True
             refused = str(err).startswith("the server refused the request: ")
             message = str(err).removeprefix("the server refused the request: ").strip()
             error = ApiError(400, message) if refused else ApiError(502, message, kind="server_error")
             self._json(error.status, error.body())
-            return
-        if not request.stream:
-            text = (first or "") + "".join(pieces)
-            self._json(200, self._whole(request, generation.result, text, ident, created, kind, chat))
             return
         self._stream(request, generation, pieces, first, ident, created, chat)
 
