@@ -68,6 +68,33 @@ def _client(url: str):
 # ---- the API itself ----------------------------------------------------------------------------
 
 
+def test_openai_fields_map_onto_the_generation_config():
+    """Body -> the served model's tensors -> the GenerationConfig fields the served model decodes with."""
+    from specpipe.triton.openai_api import CompletionRequest, Front, parse_body
+    from specpipe.triton.protocol import parse_request
+
+    body = {"model": MODEL, "prompt": "p", "max_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 11,
+            "stop": "\n\n", "ignore_eos": True, "num_draft_tokens": 3}
+    request = parse_body(json.dumps(body).encode(), CompletionRequest)
+    served = parse_request(Front("unused", [MODEL]).tensors(request, request.text, False, request.max_tokens))
+    assert served.prompt == "p" and served.stream and served.end_id == -1 and not served.chat
+    assert served.config == {"max_new_tokens": 9, "sampling": {"temperature": pytest.approx(0.7), "top_k": 5,
+                                                               "top_p": pytest.approx(0.9)},
+                             "seed": 11, "speculative": True, "num_draft_tokens": 3, "draft_length": "fixed", "stop": ["\n\n"]}
+    plain = parse_request(Front("unused", [MODEL]).tensors(parse_body(b'{"model": "ensemble", "prompt": "p"}', CompletionRequest),
+                                                          "p", False, 16))
+    assert plain.config["sampling"]["temperature"] == 1.0 and "num_draft_tokens" not in plain.config  # OpenAI's default; as deployed
+
+
+def test_the_front_serves_the_models_with_tensorrt_llm_bls_tensors(tiny_build, tmp_path):
+    from specpipe.triton import write_repository
+    from specpipe.triton.openai_api import front_for_repository
+
+    write_repository(tiny_build, tmp_path / "repo")
+    write_repository(tiny_build, tmp_path / "repo", model_name="tensorrt_llm", protocol="llmapi")  # rank-1 shapes
+    assert front_for_repository(tmp_path / "repo", "unused").models == [MODEL]
+
+
 def test_openai_client_lists_completes_and_streams(served):
     url, build = served
     client = _client(url)

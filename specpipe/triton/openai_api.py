@@ -417,16 +417,21 @@ class OpenAIServer:
 
 
 def front_for_repository(repo, triton_url: str, timeout_s: float = 600.0) -> Front:
-    """A Front for every specpipe model of `repo` (those whose folder holds a deployment with a tokenizer)."""
+    """A Front for every specpipe model of `repo` served with tensorrt_llm_bls's tensors (the front sends those);
+    a model served with the llmapi model's shapes, or not specpipe's, is left out."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
     from specpipe.gate.server import served_engine_dir
     from specpipe.manifest import read_manifest
+    from specpipe.triton.model_config import read_config
 
     models, tokenizers = [], {}
     for model_dir in sorted(p for p in Path(repo).iterdir() if (p / "config.pbtxt").is_file()):
+        protocol = read_config(model_dir).parameters.get("protocol")
+        if protocol is not None and protocol.string_value != "tensorrtllm_backend":
+            continue
         try:
             engines = served_engine_dir(Path(repo), model_dir.name)
             manifest = read_manifest(engines)
