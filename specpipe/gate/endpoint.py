@@ -31,6 +31,9 @@ from specpipe.gate.report import CheckResult
 from specpipe.gate.subjects import RequestTiming, Subject, TimedRun, run_concurrently
 
 ROBUSTNESS = "robustness"
+# Alternatives per position asked of a reference endpoint for the distribution check, most first (vLLM's default
+# cap is 20, OpenAI's legacy completions allow 5).
+TOP_LOGPROBS = (20, 5)
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Completion:
     num_tokens: int
     finish_reason: Optional[str] = None
     speculation: dict = field(default_factory=dict)  # specpipe's front: drafted, accepted
+    tokens: Optional[list[str]] = None  # completions' logprobs.tokens: the sampled tokens as text
+    top_logprobs: Optional[list[dict[str, float]]] = None  # per position: token text -> log-probability
 
 
 @dataclass
@@ -54,6 +59,7 @@ class Capabilities:
     usage_in_stream: bool = False  # stream_options.include_usage
     ignore_eos: bool = False
     specpipe: bool = False  # specpipe's front: num_draft_tokens and per-request speculation counts
+    top_logprobs: int = 0  # completions' `logprobs` N it answers with N alternatives per position (0: none)
 
 
 class EndpointClient:
@@ -111,8 +117,10 @@ class EndpointClient:
         text = choice["message"]["content"] if self.chat else choice["text"]
         ids = choice.get("token_ids")
         tokens = (answer.get("usage") or {}).get("completion_tokens") or (len(ids) if ids is not None else 0)
+        logprobs = choice.get("logprobs") if not self.chat else None
         return Completion(text or "", ids, total_ms, total_ms, int(tokens), choice.get("finish_reason"),
-                          answer.get("specpipe") or {})
+                          answer.get("specpipe") or {}, tokens=(logprobs or {}).get("tokens"),
+                          top_logprobs=(logprobs or {}).get("top_logprobs"))
 
     def _read_stream(self, response, started: float) -> Completion:
         text, ids, chunks, ttft_ms, finish, usage, speculation = [], None, 0, None, None, None, {}
@@ -154,6 +162,14 @@ class EndpointClient:
             self.caps.usage_in_stream = streamed.num_tokens > 0
         except ServerError:
             pass
+        for n in TOP_LOGPROBS if not self.chat else ():
+            try:
+                answer = self.complete("Hello", max_tokens=2, temperature=0.0, logprobs=n)
+            except ServerError:
+                continue
+            if answer.tokens and answer.top_logprobs and len(answer.top_logprobs[0] or {}) > 1:
+                self.caps.top_logprobs = n
+                break
         return self.caps
 
 
@@ -196,13 +212,16 @@ class EndpointSubject(Subject):
 
     mode = "endpoint"
 
-    def __init__(self, client: EndpointClient, reference=None, reference_client: Optional[EndpointClient] = None):
+    def __init__(self, client: EndpointClient, reference=None, reference_client: Optional[EndpointClient] = None, *,
+                 gate: Optional[GateConfig] = None):
         if reference is None and reference_client is None:
             raise GateError("--endpoint needs a reference: --reference engines/NAME (the target in this process) "
                             "and/or --reference-endpoint URL (the same server with speculation off)")
         self.client, self.reference, self.reference_client, self.chat = client, reference, reference_client, client.chat
+        self.gate = gate or GateConfig()
         self.caps = client.probe()
         self.reference_caps = reference_client.probe() if reference_client is not None else None
+        self.tables: dict[str, "TokenTable"] = {}  # the log-probability path: context -> its token texts
 
     # -- what the checks ask ----------------------------------------------------------------------
     @property
@@ -216,16 +235,66 @@ class EndpointSubject(Subject):
     def unsupported(self, check: str) -> Optional[str]:
         if check == "quantization_accuracy":
             return "not checkable through an endpoint: the weights it serves are not visible through it"
-        if check == "distribution_equivalence":
-            if self.reference is None:
-                return ("needs the target's exact probabilities: give --reference engines/NAME (an endpoint's top "
-                        "log-probabilities are not the whole distribution)")
-            if not self.caps.token_ids:
-                return "the endpoint does not return the token ids it sampled (vLLM's return_token_ids)"
+        if check == "distribution_equivalence" and not self.exact_distribution:
+            return self._no_logprob_path()
         return None
+
+    @property
+    def exact_distribution(self) -> bool:
+        """The target's whole p from --reference, and the sampled token ids from the endpoint."""
+        return self.reference is not None and self.caps.token_ids
+
+    def _no_logprob_path(self) -> Optional[str]:
+        """Why the test on the reference endpoint's top log-probabilities cannot run (None: it can)."""
+        if self.reference is None and self.reference_client is None:
+            return "needs the target's probabilities: --reference engines/NAME or a --reference-endpoint"
+        if self.reference is not None and self.reference_client is None:
+            return "the endpoint does not return the token ids it sampled (vLLM's return_token_ids)"
+        if self.chat:
+            return "through an endpoint without token ids it runs on /v1/completions only (the gate has chat = true)"
+        if not self.reference_caps.top_logprobs:
+            return "the reference endpoint returns no top log-probabilities (completions' `logprobs`)"
+        if not self.caps.top_logprobs:
+            return "the endpoint returns neither the token ids nor the tokens it sampled (completions' `logprobs`)"
+        if self.gate.distribution.top_p < 1.0:
+            return "top_p < 1 needs the target's whole distribution; the reference endpoint gives its top tokens only"
+        return None
+
+    def distribution_cases(self, gate, budget):
+        if self.exact_distribution:
+            return super().distribution_cases(gate, budget)
+        return [self._logprob_case(context, temperature, budget) for context, temperature in distribution_case_list(gate)]
+
+    def _logprob_case(self, context: str, temperature: float, budget: int):
+        """p of the first two tokens from the reference endpoint's top log-probabilities, tempered and truncated as the
+        samples are, conditional on those top tokens (a sample outside them is not tested; with top_k within them, it
+        is impossible). x* = the reference's greedy first token."""
+        from specpipe.config import SamplingConfig
+        from specpipe.gate.distribution import Case
+        from specpipe.speculative.sampling import shape_probs
+
+        cfg = self.gate.distribution
+        if context not in self.tables:
+            answer = self.reference_client.complete(context, max_tokens=2, temperature=0.0, logprobs=self.reference_caps.top_logprobs)
+            positions = [dict(top or {}) for top in (answer.top_logprobs or [])][:2]
+            if not positions or not answer.tokens:
+                raise ServerError(f"the reference endpoint returned no log-probabilities for {context!r}")
+            outside_impossible = 0 < cfg.top_k <= self.reference_caps.top_logprobs
+            self.tables[context] = TokenTable([list(top) for top in positions], answer.tokens[0], outside_impossible,
+                                              [np.array(list(top.values()), dtype=np.float64) for top in positions])
+        table = self.tables[context]
+        sampling = SamplingConfig(temperature=temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+        p = [shape_probs(np.append(logprobs, -np.inf), sampling)[0] for logprobs in table.logprobs]  # [N + 1]: the last is "outside"
+        p_second = p[1] if len(p) > 1 else np.array([1.0, 0.0])
+        x_star = table.index(0, table.greedy_first)
+        return Case(context, temperature, sampling, p[0], x_star if x_star >= 0 else 0, p_second, budget)
 
     def limitations(self) -> list[str]:
         notes = []
+        if not self.exact_distribution and self._no_logprob_path() is None:
+            table = f"its top {self.reference_caps.top_logprobs} tokens"
+            notes.append(f"distribution_equivalence: tested on the reference endpoint's log-probabilities, conditional on {table} per "
+                         "position (sampled tokens outside them are not tested), not on the target's whole distribution")
         if not self.caps.specpipe:
             notes.append("K is not chosen through this endpoint: the greedy and distribution checks sample the speculative "
                          "side as deployed, not at the gate's num_draft_tokens / draft_lengths")
@@ -270,12 +339,19 @@ class EndpointSubject(Subject):
         if sampling.top_k:
             extra["top_k"] = sampling.top_k
 
+        table = None if self.exact_distribution else self.tables[context]
+        if table is not None:
+            extra["logprobs"] = 1  # the sampled tokens, as text
+
         def one(i: int) -> list[int]:
             k = draft_lengths[i % len(draft_lengths)]
             fields = {**extra, **({"num_draft_tokens": k} if self.caps.specpipe else {})}
             answer = self.client.complete(context, max_tokens=2, temperature=sampling.temperature, top_p=sampling.top_p,
                                           seed=seed + i, **fields)
             tick(1)
+            if table is not None:
+                return [table.index(position, token) for position, token in enumerate((answer.tokens or [])[:2])] + \
+                    [-1] * (2 - len((answer.tokens or [])[:2]))
             return (list(answer.token_ids or []) + [-1, -1])[:2]
 
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -296,6 +372,31 @@ class EndpointSubject(Subject):
                                  drafted=int(spec.get("drafted", 0)), accepted=int(spec.get("accepted", 0)))
 
         return run_concurrently(one, concurrency, requests, warmup, tick)
+
+
+@dataclass
+class TokenTable:
+    """One context's first two positions as the reference endpoint gave them: the top token texts (index i = the
+    i-th; index N = any other token), their log-probabilities, and the greedy first token."""
+
+    texts: list[list[str]]  # [position][i]
+    greedy_first: str
+    outside_impossible: bool  # top_k within the top tokens: a token outside them cannot be sampled
+    logprobs: list[np.ndarray]  # [position] -> [N]
+
+    def index(self, position: int, token: str) -> int:
+        if position >= len(self.texts):
+            return -1
+        texts = self.texts[position]
+        if token in texts:
+            return texts.index(token)
+        return len(texts) if self.outside_impossible else -1  # -1: not tested (conditional on the top tokens)
+
+
+def distribution_case_list(gate: GateConfig) -> list[tuple[str, float]]:
+    from specpipe.gate.distribution import cases
+
+    return cases(gate.distribution)
 
 
 def bad_requests(model: str, chat: bool) -> dict[str, bytes]:

@@ -88,7 +88,7 @@ def _run_check(name: str, subject: Subject, gate: GateConfig, bar, remeasure: bo
             result = greedy.check_greedy(subject, gate, tick)
         elif name == "distribution_equivalence":
             in_server = subject.mode != "in-process"
-            planned = distribution.plan_cases(subject, gate, gate.distribution.server_samples if in_server else None)
+            planned = subject.distribution_cases(gate, gate.distribution.server_samples if in_server else None)
             bar.update(task, total=sum(case.samples for case in planned))
             result = distribution.check_distribution(subject, gate, planned, tick, server_budget=in_server)
         elif name == "quantization_accuracy":
@@ -144,7 +144,7 @@ def _open_subject(target, mode: GateMode, gate: GateConfig, *, engines, model_na
             reference_client = EndpointClient(options.reference_endpoint, options.reference_model or model_name, chat=gate.chat,
                                               extra=options.reference_extra, api_key=options.api_key, timeout_s=options.timeout_s)
         with console.status(f"probing {target}"):
-            subject = EndpointSubject(client, reference, reference_client)
+            subject = EndpointSubject(client, reference, reference_client, gate=gate)
         yield subject
         return
 

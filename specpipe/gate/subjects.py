@@ -60,6 +60,12 @@ class Subject(ABC):
         """The deployment decodes with the target alone (build chose no draft): nothing for a draft threshold to judge."""
         return self.reference.drafter is None
 
+    def distribution_cases(self, gate, budget: Optional[int]) -> list:
+        """The distribution check's cases (distribution.Case): the target's exact p from the reference engine."""
+        from specpipe.gate.distribution import plan_cases
+
+        return plan_cases(self, gate, budget)
+
     def unsupported(self, check: str) -> Optional[str]:
         """Why `check` cannot run on this subject (the report says it), or None when it can."""
         return None
