@@ -34,7 +34,7 @@ def _ended(server: TritonServer, code: int) -> str:
 @_option("ready_timeout_s", "--timeout", float)
 @click.option("--log-file", type=click.Path(path_type=Path), default=None,
               help="Write the server's log here [default: a temp file, printed at start].")
-@click.option("--openai-port", type=int, default=None,
+@click.option("--openai-port", type=click.IntRange(0, 65535), default=None,
               help="Also serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models; streaming) on this "
                    "port, in front of the same server; 0 = any free port. [default: off]")
 def serve(repo: Path, grpc_port, http_port, metrics_port, host, ready_timeout_s, log_file: Optional[Path],

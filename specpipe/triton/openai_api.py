@@ -47,7 +47,7 @@ class OpenAIConfig(Strict):
     """`specpipe serve --openai-port`: where the OpenAI-compatible front listens."""
 
     host: str = Field("127.0.0.1", description="address to bind")
-    port: int = Field(9000, ge=0, le=65535, description="HTTP port of /v1 (0 = any free port)")
+    port: int = Field(ge=0, le=65535, description="HTTP port of /v1 (0 = any free port); off unless given")
     request_timeout_s: float = Field(600.0, gt=0, description="longest wait for the next token of a request")
 
 
@@ -387,7 +387,7 @@ class OpenAIServer:
     """The front on a thread of this process: `with OpenAIServer(front, cfg) as api: api.url` ('http://host:port/v1')."""
 
     def __init__(self, front: Front, config: Optional[OpenAIConfig] = None):
-        self.front, self.config = front, config or OpenAIConfig()
+        self.front, self.config = front, config or OpenAIConfig(port=0)
         handler = type("Handler", (_Handler,), {"front": front})
         try:
             self.httpd = ThreadingHTTPServer((self.config.host, self.config.port), handler)
