@@ -33,6 +33,10 @@ DEFAULT_REPORT_DIR = Path("reports/gate")
 @click.option("--reference-extra", default=None,
               help='JSON fields every reference request carries, e.g. \'{"num_draft_tokens": 0}\' (specpipe serve: '
                    "speculation off on the same endpoint).")
+@click.option("--endpoint-extra", default=None,
+              help='JSON fields every request to --endpoint carries (the server\'s own sampling defaults turned off), '
+                   'e.g. llama.cpp\'s \'{"min_p": 0, "repeat_penalty": 1}\'. The reference endpoint gets them too '
+                   "unless --reference-extra is given.")
 @click.option("--api-key", default=None, help="Bearer token for the endpoints, if they want one.")
 @click.option("--model", "model_name", default=None,
               help="Served model name. [default: ensemble; with --endpoint: required, see its /v1/models]")
@@ -43,7 +47,7 @@ DEFAULT_REPORT_DIR = Path("reports/gate")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json instead of the summary.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def validate(target: Optional[Path], gate_file, in_process, url, engines, endpoint, reference, reference_endpoint,
-             reference_model, reference_extra, api_key, model_name, report_dir, remeasure, threads, as_json, quiet) -> None:
+             reference_model, reference_extra, endpoint_extra, api_key, model_name, report_dir, remeasure, threads, as_json, quiet) -> None:
     """Validate a deployment: greedy and distribution equivalence, quantization accuracy, latency SLOs,
     robustness.
 
@@ -61,10 +65,11 @@ def validate(target: Optional[Path], gate_file, in_process, url, engines, endpoi
 
     if endpoint is not None:
         mode, options = "endpoint", _endpoint_options(target, in_process, url, engines, reference, reference_endpoint,
-                                                      reference_model, reference_extra, api_key, model_name)
+                                                      reference_model, reference_extra, endpoint_extra, api_key, model_name)
         engines, target = reference, endpoint
-    elif reference or reference_endpoint or reference_model or reference_extra:
-        raise UsageError("--reference, --reference-endpoint, --reference-model and --reference-extra go with --endpoint")
+    elif reference or reference_endpoint or reference_model or reference_extra or endpoint_extra:
+        raise UsageError("--reference, --reference-endpoint, --reference-model, --reference-extra and --endpoint-extra go "
+                         "with --endpoint")
     else:
         mode, options = None, None
     if mode is None and url is not None and (target is not None or in_process):
@@ -89,7 +94,7 @@ def validate(target: Optional[Path], gate_file, in_process, url, engines, endpoi
 
 
 def _endpoint_options(target, in_process, url, engines, reference, reference_endpoint, reference_model, reference_extra,
-                      api_key, model_name):
+                      endpoint_extra, api_key, model_name):
     """--endpoint's options checked together: one UsageError line for a bad combination."""
     from specpipe.gate.run import EndpointOptions
 
@@ -99,15 +104,21 @@ def _endpoint_options(target, in_process, url, engines, reference, reference_end
         raise UsageError("--endpoint: also pass --model, the name the endpoint serves (see its /v1/models)")
     if reference is None and reference_endpoint is None:
         raise UsageError("--endpoint needs a reference: --reference engines/NAME and/or --reference-endpoint URL")
-    extra = None
-    if reference_extra is not None:
-        if reference_endpoint is None:
-            raise UsageError("--reference-extra goes with --reference-endpoint")
-        try:
-            extra = json.loads(reference_extra)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"--reference-extra is not JSON: {exc}") from None
-        if not isinstance(extra, dict):
-            raise UsageError("--reference-extra must be a JSON object")
-    return EndpointOptions(reference_endpoint=reference_endpoint, reference_model=reference_model, reference_extra=extra,
-                           api_key=api_key)
+    if reference_extra is not None and reference_endpoint is None:
+        raise UsageError("--reference-extra goes with --reference-endpoint")
+    extra = _json_object("--endpoint-extra", endpoint_extra)
+    reference_fields = _json_object("--reference-extra", reference_extra) if reference_extra is not None else extra
+    return EndpointOptions(reference_endpoint=reference_endpoint, reference_model=reference_model,
+                           reference_extra=reference_fields, extra=extra, api_key=api_key)
+
+
+def _json_object(option: str, text: Optional[str]) -> Optional[dict]:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{option} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{option} must be a JSON object")
+    return value

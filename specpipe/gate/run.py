@@ -123,6 +123,7 @@ class EndpointOptions:
     reference_endpoint: Optional[str] = None
     reference_model: Optional[str] = None  # default: the endpoint's --model
     reference_extra: Optional[dict] = None  # JSON fields every reference request carries, e.g. {"num_draft_tokens": 0}
+    extra: Optional[dict] = None  # JSON fields every request to the endpoint carries, e.g. llama.cpp's {"min_p": 0}
     api_key: Optional[str] = None
     timeout_s: float = 300.0
 
@@ -138,7 +139,8 @@ def _open_subject(target, mode: GateMode, gate: GateConfig, *, engines, model_na
             raise GateError("--endpoint: also pass --model, the model name the endpoint serves (see its /v1/models)")
         options = endpoint or EndpointOptions()
         reference = load_deployment(_existing(engines, "--reference folder"), threads=threads) if engines else None
-        client = EndpointClient(str(target), model_name, chat=gate.chat, api_key=options.api_key, timeout_s=options.timeout_s)
+        client = EndpointClient(str(target), model_name, chat=gate.chat, extra=options.extra, api_key=options.api_key,
+                                timeout_s=options.timeout_s)
         reference_client = None
         if options.reference_endpoint:
             reference_client = EndpointClient(options.reference_endpoint, options.reference_model or model_name, chat=gate.chat,
