@@ -33,6 +33,7 @@ class FakeServer:
 
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.bodies.append(body)
                 status, answer = (400, {"error": {"message": "no streaming here"}}) if body.get("stream") else (200, fake.answer(body))
                 data = json.dumps(answer).encode()
                 self.send_response(status)
@@ -42,6 +43,7 @@ class FakeServer:
                 self.wfile.write(data)
 
         self.planted = planted
+        self.bodies: list[dict] = []
         self.httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
@@ -81,7 +83,7 @@ def test_distribution_through_log_probabilities(tmp_path, capsys, planted):
     reference, endpoint = FakeServer(), FakeServer(planted=planted)
     try:
         code, out, err = validate(capsys, "--endpoint", endpoint.url, "--model", "m", "--reference-endpoint", reference.url,
-                                  "--gate", write_toml(tmp_path / "g.toml", _toml(small_gate(**GATE))),
+                                  "--endpoint-extra", '{"min_p": 0}', "--gate", write_toml(tmp_path / "g.toml", _toml(small_gate(**GATE))),
                                   "--report-dir", tmp_path / "r", "--quiet")
     finally:
         reference.close()
@@ -90,6 +92,7 @@ def test_distribution_through_log_probabilities(tmp_path, capsys, planted):
     dist = next(c for c in report["checks"] if c["name"] == "distribution_equivalence")
     assert any("tested on the reference endpoint's log-probabilities" in line for line in report["not_checked"])
     assert dist["metrics"]["samples_per_case"] == [300, 300]
+    assert all(body.get("min_p") == 0 for server in (reference, endpoint) for body in server.bodies)  # --endpoint-extra: both
     if not planted:
         assert code == 0 and dist["status"] == "passed", out + err
         assert all(t["impossible_tokens"] == 0 for t in dist["metrics"]["tests"])

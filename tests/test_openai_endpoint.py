@@ -278,6 +278,9 @@ def test_validate_endpoint_fails_an_slo_it_cannot_meet(served, tmp_path, capsys)
     (["--model", MODEL], "--endpoint needs a reference"),
     (["--reference-endpoint", "http://127.0.0.1:1/v1"], "also pass --model"),
     (["--model", MODEL, "--reference-endpoint", "http://127.0.0.1:1/v1", "--reference-extra", "{"], "--reference-extra is not JSON"),
+    (["--model", MODEL, "--reference-endpoint", "http://127.0.0.1:1/v1", "--endpoint-extra", "[1]"],
+     "--endpoint-extra must be a JSON object"),
+    (["--model", MODEL, "--reference", "engines/x", "--reference-extra", "{}"], "--reference-extra goes with --reference-endpoint"),
 ])
 def test_endpoint_usage_errors_are_one_line(capsys, args, needle):
     code, out, err = validate(capsys, "--endpoint", "http://127.0.0.1:1/v1", *args)
