@@ -83,6 +83,10 @@ def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: boo
 
     folder = Path(folder)
     manifest = read_manifest(folder)
+    if manifest.target.engine.backend == "trtllm":
+        from specpipe.build.trtllm_manifest import SERVED_BY
+
+        raise EngineError(f"{folder} is a TensorRT-LLM build: it runs only in TensorRT-LLM ({SERVED_BY})")
     tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest.tokenizer.path))
     # Builds record how the target must run for a 1-token step to score like a verify row (engines/onnxruntime.py).
     target = load_engine(folder / manifest.target.engine.path, threads=threads, min_rows=manifest.target.min_rows_per_call)

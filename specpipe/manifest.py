@@ -51,9 +51,11 @@ class TokenizerRecord(_Part):
 
 class EngineRecord(_Part):
     path: str  # the engine's folder, relative to the build folder (load_engine opens it)
-    backend: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
+    backend: Literal["onnxruntime", "tensorrt", "trtllm"] = "onnxruntime"
     quant: QuantMode = "none"
-    graph: Literal["optimum", "genai"] = Field("optimum", description="which exporter made it (build/cpu.py target_graph, draft_graph)")
+    graph: Literal["optimum", "genai", "hf", "trtllm-engine"] = Field(
+        "optimum", description="which exporter made it (build/cpu.py target_graph, draft_graph); TensorRT-LLM: the Hugging Face "
+        "folder its LLM API loads (hf) or a trtllm-build engine (build/trtllm_manifest.py)")
     files: dict[str, str] = Field(default_factory=dict, description="file name -> sha256")
 
 

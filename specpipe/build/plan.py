@@ -32,7 +32,7 @@ from specpipe.engines import upstream
 from specpipe.engines.tensorrt_build import PLAN_FILE, optimization_profiles
 from specpipe.errors import UsageError
 from specpipe.checkpoint.eagle3 import read_eagle3_head
-from specpipe.manifest import MANIFEST
+from specpipe.manifest import MANIFEST, Manifest
 from specpipe.triton.repository import DEFAULT_MODEL_NAME
 
 SHARED_KV_FRACTION = 0.45  # each of two models on one GPU: whichever loads first leaves room for the other
@@ -81,6 +81,8 @@ class Plan(_Frozen):
     memory: MemoryPlan
     serve: tuple[str, ...]
     notes: tuple[str, ...]
+    # TensorRT-LLM: the manifest the build writes last, as far as a dry run knows it (build/trtllm_manifest.py)
+    manifest: Optional[Manifest] = None
 
     @property
     def files(self) -> list[str]:
@@ -196,19 +198,30 @@ def make_plan(cfg: BuildConfig) -> Plan:
                 f" (TensorRT-LLM {upstream.TRTLLM_LLMAPI_VERSION}: draft_len_schedule for Eagle3, max_concurrency otherwise)"
             )
             notes.append("without Triton: " + " ".join(trtllm_serve_command(_llmapi_target_dir(jobs[0]), work / SERVE_CONFIG)))
+        steps.append(
+            Step(
+                id="manifest", title="write the manifest (the CPU build's typed Manifest; hashes of what was built)",
+                kind="manifest", writes=(str(work / MANIFEST),), source="specpipe/build/trtllm_manifest.py",
+            )  # fmt: skip
+        )
     steps.append(
         Step(id="plan", title="record the plan", kind="plan", writes=(str(work / PLAN_JSON),), source="specpipe")
     )
     versions = {"tensorrt_llm": upstream.TRTLLM_ENGINE_VERSION if cfg.backend.kind == "trtllm" else "-", "tensorrt": f">={upstream.TENSORRT_MIN_VERSION}"}
     if _flow(cfg) == "llmapi":
         versions = {"tensorrt_llm": f"{upstream.TRTLLM_LLMAPI_VERSION} ({upstream.TRTLLM_LLMAPI_TAG} @{upstream.TRTLLM_LLMAPI_COMMIT}; LLM API, PyTorch backend; no engine build)"}
-    return Plan(
+    plan = Plan(
         backend=cfg.backend.kind, flow=flow, name=name, work_dir=str(work), repo_dir=str(repo) if repo else None,
         versions=versions,
         limits=limits,
         target=_planned(jobs[0], cfg, work), draft=_planned(jobs[1], cfg, work) if len(jobs) > 1 else None,
         steps=tuple(steps), repository=tuple(str(p) for p in repository), memory=memory, serve=serve, notes=tuple(notes),
     )  # fmt: skip
+    if cfg.backend.kind == "trtllm":
+        from specpipe.build.trtllm_manifest import plan_manifest
+
+        plan = plan.model_copy(update={"manifest": plan_manifest(plan, cfg)})
+    return plan
 
 
 def plan_memory(
@@ -625,6 +638,8 @@ def render_plan(plan: Plan) -> str:
     lines += [f"  {path}" for path in plan.files]
     lines.append("")
     lines.append(_render_memory(plan.memory))
+    if plan.manifest is not None:
+        lines += ["", _render_manifest(plan.manifest)]
     if plan.serve:
         lines += ["", "Serve (on the GPU machine):", "  " + " ".join(plan.serve)]
     if plan.notes:
@@ -632,6 +647,22 @@ def render_plan(plan: Plan) -> str:
     needs = plan.requirements()
     if needs:
         lines += ["", "Needs on the build machine: " + ", ".join(needs)]
+    return "\n".join(lines)
+
+
+def _render_manifest(manifest: Manifest) -> str:
+    """The manifest the build writes last; `(at build)` marks what only the resolved checkpoints tell."""
+    from specpipe.manifest import MANIFEST as FILE
+
+    lines = [f"Manifest ({FILE}, written last; --json shows it whole):"]
+    for role in ("target", "draft"):
+        entry = getattr(manifest, role)
+        engine = getattr(entry, "engine", None)
+        where = f"{engine.backend} {engine.graph} {engine.path}, quant {engine.quant}" if engine else f"{entry.kind} drafting"
+        lines.append(f"  {role:6} {entry.source}: {where}")
+    serving = manifest.serving
+    lines.append(f"  serving max_batch_size {serving.max_batch_size}, draft schedule {serving.draft_schedule or 'per request'};"
+                 f" max_draft_len {manifest.max_draft_len}; tokenizer hash {manifest.tokenizer.hash}")
     return "\n".join(lines)
 
 

@@ -164,6 +164,11 @@ def _manifest(step, plan, cfg, work):
     from specpipe.manifest import EngineRecord, Manifest, ModelDraft, ModelEntry, TokenizerRecord, file_hashes, write_manifest
     from specpipe.speculative.adaptive import measure_step_costs
 
+    if plan.backend == "trtllm":  # served by TensorRT-LLM: nothing to time here, the artifacts hashed
+        from specpipe.build.trtllm_manifest import built_manifest
+
+        write_manifest(work, built_manifest(plan, cfg))
+        return
     entries = {}
     for model in (plan.target, plan.draft):
         folder, checkpoint = tensorrt_engine_dir(work, model.role), work / "hf" / model.role

@@ -34,11 +34,24 @@ def _ended(server: TritonServer, code: int) -> str:
 @_option("ready_timeout_s", "--timeout", float)
 @click.option("--log-file", type=click.Path(path_type=Path), default=None,
               help="Write the server's log here [default: a temp file, printed at start].")
-def serve(repo: Path, grpc_port, http_port, metrics_port, host, ready_timeout_s, log_file: Optional[Path]) -> None:
-    """Serve the Triton model repository REPO (written by `specpipe build`) with tritonserver."""
+@click.option("--openai-port", type=click.IntRange(0, 65535), default=None,
+              help="Also serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models; streaming) on this "
+                   "port, in front of the same server; 0 = any free port. [default: off]")
+def serve(repo: Path, grpc_port, http_port, metrics_port, host, ready_timeout_s, log_file: Optional[Path],
+          openai_port: Optional[int]) -> None:
+    """Serve the Triton model repository REPO (written by `specpipe build`) with tritonserver.
+
+    \b
+      specpipe serve triton_repo                     # gRPC 8001 (TensorRT-LLM's tensors), HTTP 8000
+      specpipe serve triton_repo --openai-port 9000  # and http://127.0.0.1:9000/v1 for OpenAI clients
+    """
+    from specpipe.triton.openai_api import OpenAIConfig
+
     cfg = make_config(ServerConfig, host=host, grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port,
                       ready_timeout_s=ready_timeout_s)
+    api_cfg = make_config(OpenAIConfig, host=host, port=openai_port) if openai_port is not None else None
     server = TritonServer(repo, cfg, log_path=log_file)
+    api = None
 
     def _terminate(signum, frame):
         raise KeyboardInterrupt  # SIGTERM takes the same orderly path as Ctrl-C
@@ -52,8 +65,13 @@ def serve(repo: Path, grpc_port, http_port, metrics_port, host, ready_timeout_s,
             click.echo(server.leftovers_note(), err=True)
         ready_s = server.wait_ready()
         models = sorted(p.name for p in server.repo.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if api_cfg is not None:
+            from specpipe.triton.openai_api import OpenAIServer, front_for_repository
+
+            api = OpenAIServer(front_for_repository(repo, server.url, api_cfg.request_timeout_s), api_cfg).start()
+        openai = f", OpenAI API {api.url}" if api is not None else ""
         click.echo(f"ready in {ready_s:.1f} s: models {', '.join(models)}; gRPC {server.url}, HTTP {server.http_url}, "
-                   f"metrics {server.metrics_url}. Ctrl-C stops.", err=True)
+                   f"metrics {server.metrics_url}{openai}. Ctrl-C stops.", err=True)
         code = server.process.wait()
         server.stop()  # ends the stubs it left and removes their shared memory
         after = f"; after it: {server.cleanup.describe()}" if server.cleanup else ""
@@ -63,6 +81,8 @@ def serve(repo: Path, grpc_port, http_port, metrics_port, host, ready_timeout_s,
         code = server.stop()
         click.echo(f"stopped (exit code {code})", err=True)
     finally:
+        if api is not None:
+            api.stop()
         server.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)

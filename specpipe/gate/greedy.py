@@ -18,6 +18,8 @@ NAME = "greedy_equivalence"
 
 
 def check_greedy(subject: Subject, gate: GateConfig, tick: Tick) -> CheckResult:
+    if subject.reference is None or not getattr(subject, "token_ids", True):
+        return check_greedy_text(subject, gate, tick)
     cfg = gate.greedy
     tokenizer = subject.reference.tokenizer
     target_quant = subject.reference.manifest.target.engine.quant
@@ -79,3 +81,31 @@ def _describe(tokenizer, token) -> str:
     if token is None:
         return "<end of output>"
     return f"{token} ({tokenizer.decode([token])!r})"
+
+
+def check_greedy_text(subject, gate: GateConfig, tick: Tick) -> CheckResult:
+    """Greedy equivalence where token ids or the target's logits are out of reach (an endpoint that returns text
+    only, or no reference build): the texts must be equal; a difference cannot be called a near-tie."""
+    cfg = gate.greedy
+    failures, per_prompt = [], []
+    for prompt in gate.prompts:
+        speculative = subject.greedy_completion(prompt, cfg.max_new_tokens, gate.num_draft_tokens)
+        target_only = subject.greedy_completion(prompt, cfg.max_new_tokens, 0)
+        tick(1)
+        a, b = speculative.text, target_only.text
+        ids = speculative.token_ids is not None and target_only.token_ids is not None
+        match = speculative.token_ids == target_only.token_ids if ids else a == b
+        entry = {"prompt": prompt, "match": match, "compared": "token ids" if ids else "text", "chars": len(b)}
+        per_prompt.append(entry)
+        if not match:
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            entry.update(position_char=at, speculative=a, target_only=b)
+            failures.append(f"prompt {prompt!r}: the outputs differ from character {at}: speculative {a[at:at + 24]!r} "
+                            f"!= target-only {b[at:at + 24]!r}")
+    matched = sum(e["match"] for e in per_prompt)
+    warnings = ["no near-tie rule: the target's logits are not available here, so any difference fails"] if failures else []
+    metrics = {"prompts": len(per_prompt), "matched": matched, "near_ties": 0, "real_mismatches": len(failures),
+               "max_new_tokens": cfg.max_new_tokens, "compared": sorted({e["compared"] for e in per_prompt}),
+               "per_prompt": per_prompt}  # fmt: skip
+    summary = f"{matched}/{len(per_prompt)} prompts identical ({', '.join(metrics['compared'])}), {len(failures)} differ"
+    return CheckResult(NAME, "failed" if failures else "passed", summary, failures, warnings, metrics)

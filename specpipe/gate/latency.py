@@ -73,22 +73,30 @@ def check_latency(subject: Subject, gate: GateConfig, tick: Tick) -> CheckResult
     cfg = gate.latency
     runs = {}
     for name, k in (("speculative", None), ("target_only", 0)):
+        # None: the subject cannot run that side (an endpoint without a reference endpoint has no target-only run)
         run = subject.timed_run(gate.prompts, cfg.max_new_tokens, k, cfg.concurrency, cfg.requests, cfg.warmup_requests, tick)
-        runs[name] = summarize(run)
-    spec, base = runs["speculative"], runs["target_only"]
+        if run is not None:
+            runs[name] = summarize(run)
+    spec, base = runs["speculative"], runs.get("target_only")
     measured = {
         key: spec[key] for key in ("ttft_ms_p50", "ttft_ms_p95", "itl_ms_p50", "itl_ms_p95", "tokens_per_s", "acceptance_rate")
     }
-    measured["speedup"] = spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] > 0 else 0.0
+    measured["speedup"] = (spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] > 0 else 0.0) if base else None
 
     failures, warnings, enforced = [], [], {}
-    alone = subject.reference.drafter is None  # build deployed the target alone (no draft)
+    alone = subject.without_draft()  # build deployed the target alone (no draft)
     for key, (metric, kind) in THRESHOLDS.items():
         limit = getattr(cfg, key)
         if limit is None:
             continue  # report only
         if alone and key in DRAFT_THRESHOLDS:
             warnings.append(f"{key} not applied: the deployment has no draft (build chose the target alone)")
+            continue
+        if measured[metric] is None:
+            warnings.append(f"{key} not applied: no target-only run to compare with through this subject")
+            continue
+        if key == "acceptance_rate_min" and spec["drafted"] == 0 and subject.mode == "endpoint":
+            warnings.append(f"{key} not applied: the endpoint reports no drafted tokens")
             continue
         enforced[key] = limit
         value = measured[metric]
@@ -112,7 +120,7 @@ def check_latency(subject: Subject, gate: GateConfig, tick: Tick) -> CheckResult
     summary = (
         f"concurrency {cfg.concurrency} ({subject.mode}): TTFT p50/p95 {m['ttft_ms_p50']:.1f}/{m['ttft_ms_p95']:.1f} ms,"
         f" ITL p50/p95 {m['itl_ms_p50']:.2f}/{m['itl_ms_p95']:.2f} ms, {m['tokens_per_s']:.1f} tok/s,"
-        f" speedup {m['speedup']:.2f}x, acceptance {m['acceptance_rate']:.2f}; {len(enforced)} thresholds enforced"
+        f" speedup {'n/a' if m['speedup'] is None else format(m['speedup'], '.2f') + 'x'}, acceptance {m['acceptance_rate']:.2f}; {len(enforced)} thresholds enforced"
     )
     return CheckResult(NAME, "failed" if failures else "passed", summary, failures, warnings, metrics)
 

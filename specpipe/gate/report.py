@@ -44,6 +44,8 @@ class GateReport:
     duration_s: float
     versions: dict = field(default_factory=dict)
     machine: dict = field(default_factory=dict)  # specpipe.machine record of where the gate ran (with --url: the client)
+    # what the subject could not establish (through an endpoint: no token ids, no weights, ...), one line each
+    not_checked: list[str] = field(default_factory=list)
     report_dir: Optional[Path] = None
 
     @property
@@ -63,6 +65,7 @@ class GateReport:
     def summary_lines(self) -> list[str]:
         lines = [f"{c.status.upper():7s} {c.name}: {c.summary}" for c in self.checks]
         verdict = "PASSED" if self.passed else "FAILED (" + ", ".join(self.failed_checks()) + ")"
+        lines += [f"NOT CHECKED {line}" for line in self.not_checked]
         lines.append(f"gate {verdict} in {self.duration_s:.1f} s")
         if self.report_dir is not None:
             lines.append(f"report: {self.report_dir / 'report.html'}")
@@ -79,6 +82,7 @@ class GateReport:
             "machine": self.machine,
             "gate": self.gate,
             "checks": [asdict(c) for c in self.checks],
+            "not_checked": self.not_checked,
         }
 
 
@@ -111,6 +115,8 @@ def write_junit(report: GateReport, path: Path) -> None:
     props = ET.SubElement(suite, "properties")
     for key, value in (("mode", report.mode), ("target", report.target), *_machine_properties(report.machine)):
         ET.SubElement(props, "property", name=key, value=str(value))
+    for line in report.not_checked:
+        ET.SubElement(props, "property", name="not_checked", value=line)
     for check in report.checks:
         case = ET.SubElement(suite, "testcase", classname="specpipe.gate", name=check.name, time=f"{check.duration_s:.3f}")
         details = "\n".join(check.failures + [f"warning: {w}" for w in check.warnings])
@@ -205,6 +211,9 @@ def write_html(report: GateReport, path: Path, plots: dict[str, Path]) -> None:
     for c in report.checks:
         parts.append(f"<tr><td>{esc(c.name)}</td><td class='{c.status}'>{c.status}</td><td>{esc(c.summary)}</td></tr>")
     parts.append("</table>")
+    if report.not_checked:
+        parts.append("<h3>not checked through this subject</h3><ul>"
+                     + "".join(f"<li>{esc(line)}</li>" for line in report.not_checked) + "</ul>")
     for name, png in plots.items():
         data = base64.b64encode(Path(png).read_bytes()).decode()
         parts.append(f"<h3>{esc(name)}</h3><img alt='{esc(name)}' src='data:image/png;base64,{data}'>")

@@ -5,6 +5,9 @@ Modes:
 - "repo": target = a Triton model repository; the gate starts tritonserver on free loopback ports.
 - "url": target = host:port of a running server; `engines` names the deployment it serves (the exact
   probabilities and logit margins are computed from it in-process).
+- "endpoint": target = the /v1 URL of an OpenAI-compatible server (specpipe/gate/endpoint.py); `engines` is the
+  reference build (optional), `reference_endpoint` the reference server (optional; one of the two is needed).
+  What cannot be checked through the endpoint is listed in the report's `not_checked`.
 A setup problem (missing folder, unreachable server) raises a SpecpipeError (exit 2) before any check;
 a check that cannot finish is recorded as an error and fails the gate (exit 1).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import time
 import traceback
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Literal, Optional
 
@@ -22,7 +26,7 @@ from specpipe.errors import GateError, SpecpipeError
 from specpipe.gate.report import CheckResult, GateReport, write_report
 from specpipe.gate.subjects import InProcessSubject, Subject
 
-GateMode = Literal["in-process", "repo", "url"]
+GateMode = Literal["in-process", "repo", "url", "endpoint"]
 CHECKS = ("greedy_equivalence", "distribution_equivalence", "quantization_accuracy", "latency_slo", "robustness")
 
 
@@ -34,6 +38,7 @@ def run_gate(
     *,
     engines: Optional[str | Path] = None,
     model_name: Optional[str] = None,
+    endpoint: Optional["EndpointOptions"] = None,
     remeasure: bool = False,
     threads: int = THREADS,
     progress: bool = True,
@@ -47,17 +52,19 @@ def run_gate(
 
     started_iso, started = now_iso(), time.perf_counter()
     console = Console(stderr=True, quiet=not progress)
-    with _open_subject(target, mode, gate, engines=engines, model_name=model_name, threads=threads, console=console) as subject:
+    with _open_subject(target, mode, gate, engines=engines, model_name=model_name, endpoint=endpoint, threads=threads,
+                       console=console) as subject:
         bar = Progress(
             TextColumn("{task.description:<26}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             console=console, disable=not progress,
         )
         with bar:
             checks = [_run_check(name, subject, gate, bar, remeasure) for name in CHECKS]
+        not_checked = [f"{name}: {why}" for name in CHECKS if (why := subject.unsupported(name))] + subject.limitations()
     report = GateReport(
         mode=mode, target=str(target), gate=gate.model_dump(mode="json"), checks=checks, started=started_iso,
         duration_s=time.perf_counter() - started, versions=library_versions(),
-        machine=describe_machine(threads).as_dict(),
+        machine=describe_machine(threads).as_dict(), not_checked=not_checked,
     )
     write_report(report, Path(report_dir))
     return report
@@ -74,12 +81,14 @@ def _run_check(name: str, subject: Subject, gate: GateConfig, bar, remeasure: bo
     try:
         if not section.enabled:
             result = CheckResult(name, "skipped", "disabled in the gate file")
+        elif subject.unsupported(name):
+            result = CheckResult(name, "skipped", subject.unsupported(name))
         elif name == "greedy_equivalence":
             bar.update(task, total=len(gate.prompts))
             result = greedy.check_greedy(subject, gate, tick)
         elif name == "distribution_equivalence":
             in_server = subject.mode != "in-process"
-            planned = distribution.plan_cases(subject, gate, gate.distribution.server_samples if in_server else None)
+            planned = subject.distribution_cases(gate, gate.distribution.server_samples if in_server else None)
             bar.update(task, total=sum(case.samples for case in planned))
             result = distribution.check_distribution(subject, gate, planned, tick, server_budget=in_server)
         elif name == "quantization_accuracy":
@@ -88,6 +97,11 @@ def _run_check(name: str, subject: Subject, gate: GateConfig, bar, remeasure: bo
         elif name == "latency_slo":
             bar.update(task, total=2 * gate.latency.requests)
             result = latency.check_latency(subject, gate, tick)
+        elif subject.mode == "endpoint":
+            from specpipe.gate import endpoint as endpoint_gate
+
+            bar.update(task, total=len(endpoint_gate.bad_requests(subject.client.model, subject.chat)) + 1)
+            result = endpoint_gate.check_robustness(subject, gate, tick)
         else:
             is_server = isinstance(subject, server.ServerSubject)
             bar.update(task, total=len(server.bad_requests(subject.reference)) + 1 if is_server else 1)
@@ -102,9 +116,39 @@ def _run_check(name: str, subject: Subject, gate: GateConfig, bar, remeasure: bo
     return result
 
 
+@dataclass(frozen=True)
+class EndpointOptions:
+    """`validate --endpoint`: the reference server and how to reach both (specpipe/gate/endpoint.py)."""
+
+    reference_endpoint: Optional[str] = None
+    reference_model: Optional[str] = None  # default: the endpoint's --model
+    reference_extra: Optional[dict] = None  # JSON fields every reference request carries, e.g. {"num_draft_tokens": 0}
+    extra: Optional[dict] = None  # JSON fields every request to the endpoint carries, e.g. llama.cpp's {"min_p": 0}
+    api_key: Optional[str] = None
+    timeout_s: float = 300.0
+
+
 @contextmanager
-def _open_subject(target, mode: GateMode, gate: GateConfig, *, engines, model_name, threads, console) -> Iterator[Subject]:
+def _open_subject(target, mode: GateMode, gate: GateConfig, *, engines, model_name, endpoint, threads, console) -> Iterator[Subject]:
     from specpipe.deployment import load_deployment
+
+    if mode == "endpoint":
+        from specpipe.gate.endpoint import EndpointClient, EndpointSubject
+
+        if not model_name:
+            raise GateError("--endpoint: also pass --model, the model name the endpoint serves (see its /v1/models)")
+        options = endpoint or EndpointOptions()
+        reference = load_deployment(_existing(engines, "--reference folder"), threads=threads) if engines else None
+        client = EndpointClient(str(target), model_name, chat=gate.chat, extra=options.extra, api_key=options.api_key,
+                                timeout_s=options.timeout_s)
+        reference_client = None
+        if options.reference_endpoint:
+            reference_client = EndpointClient(options.reference_endpoint, options.reference_model or model_name, chat=gate.chat,
+                                              extra=options.reference_extra, api_key=options.api_key, timeout_s=options.timeout_s)
+        with console.status(f"probing {target}"):
+            subject = EndpointSubject(client, reference, reference_client, gate=gate)
+        yield subject
+        return
 
     if mode == "in-process":
         if engines is not None:

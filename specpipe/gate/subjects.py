@@ -56,6 +56,24 @@ class Subject(ABC):
         """Token ids of a prompt, exactly as the deployment's generator makes them (in-process and served)."""
         return self.reference.generator.encode(text, self.chat)
 
+    def without_draft(self) -> bool:
+        """The deployment decodes with the target alone (build chose no draft): nothing for a draft threshold to judge."""
+        return self.reference.drafter is None
+
+    def distribution_cases(self, gate, budget: Optional[int]) -> list:
+        """The distribution check's cases (distribution.Case): the target's exact p from the reference engine."""
+        from specpipe.gate.distribution import plan_cases
+
+        return plan_cases(self, gate, budget)
+
+    def unsupported(self, check: str) -> Optional[str]:
+        """Why `check` cannot run on this subject (the report says it), or None when it can."""
+        return None
+
+    def limitations(self) -> list[str]:
+        """What the checks that run cannot establish on this subject: the report's `not_checked`."""
+        return []
+
     @abstractmethod
     def greedy_ids(self, prompt: str, max_new_tokens: int, num_draft_tokens: int) -> list[int]:
         """Greedy output token ids; num_draft_tokens 0 = target only."""
