@@ -22,6 +22,7 @@ class Eagle3Head(BaseModel):
 
     architecture: str
     layers_to_capture: Optional[tuple[int, ...]]  # None: the head names none, TensorRT-LLM's default set applies
+    draft_vocab_size: Optional[int] = None  # None: the head scores the target's whole vocabulary
 
 
 def is_eagle3_architecture(architecture: str) -> bool:
@@ -44,4 +45,70 @@ def read_eagle3_head(spec: str) -> Optional[Eagle3Head]:
     if not is_eagle3_architecture(architecture):
         return None
     layers = (config.get(upstream.EAGLE3_CONFIG_BLOCK) or {}).get(upstream.EAGLE3_LAYER_IDS_KEY)
-    return Eagle3Head(architecture=architecture, layers_to_capture=tuple(int(i) for i in layers) if layers else None)
+    draft_vocab = config.get(upstream.EAGLE3_DRAFT_VOCAB_KEY)
+    return Eagle3Head(architecture=architecture, layers_to_capture=tuple(int(i) for i in layers) if layers else None,
+                      draft_vocab_size=int(draft_vocab) if draft_vocab else None)
+
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def head_config(shape, *, dtype: str = "float32") -> dict:
+    """config.json of a one-layer Llama EAGLE-3 head (`shape`: specpipe.distill.eagle3.HeadShape). The captured
+    layers go under eagle_config in layer-output ids (SGLang / SpecForge / TensorRT-LLM numbering,
+    export/features.py); no top-level `eagle_aux_hidden_state_layer_ids`: vLLM reads that key as layer-*input* ids,
+    one off, and with it absent uses its default (2, N/2, N-3), the same tensors as the default here."""
+    return {
+        "architectures": [upstream.EAGLE3_ARCHITECTURES[0]],
+        "model_type": "llama",
+        "hidden_size": shape.hidden_size,
+        "target_hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": shape.rms_norm_eps,
+        "rope_theta": shape.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "vocab_size": shape.vocab_size,
+        upstream.EAGLE3_DRAFT_VOCAB_KEY: shape.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        upstream.EAGLE3_CONFIG_BLOCK: {upstream.EAGLE3_LAYER_IDS_KEY: list(shape.feature_layers),
+                                       "use_aux_hidden_state": True},
+    }
+
+
+def write_eagle3_head(folder: Path, tensors: dict, config: dict) -> Path:
+    """folder/config.json + folder/model.safetensors with exactly upstream.EAGLE3_HEAD_TENSORS (no embed_tokens)."""
+    import torch
+    from safetensors.torch import save_file
+
+    missing = [name for name in upstream.EAGLE3_HEAD_TENSORS if name not in tensors]
+    extra = [name for name in tensors if name not in upstream.EAGLE3_HEAD_TENSORS]
+    if missing or extra:
+        raise ValueError(f"an EAGLE-3 head has exactly {upstream.EAGLE3_HEAD_TENSORS}; missing {missing}, extra {extra}")
+    dtype = getattr(torch, config.get("torch_dtype", "float32"))
+    out = {name: (t.detach().cpu().to(dtype) if t.is_floating_point() else t.detach().cpu()).contiguous()
+           for name, t in tensors.items()}
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def load_eagle3_tensors(folder: Path) -> dict:
+    """The head's tensors by upstream name; refuses a file that lacks one (a TensorRT-LLM or vLLM load would fail)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(folder) / WEIGHTS_FILE))
+    missing = [name for name in upstream.EAGLE3_HEAD_TENSORS if name != "t2d" and name not in tensors]
+    if missing:
+        raise UsageError(f"{folder} is not a complete EAGLE-3 head: no {', '.join(missing)}")
+    return tensors

@@ -198,6 +198,30 @@ EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 EAGLE3_CONFIG_BLOCK = "eagle_config"
 EAGLE3_LAYER_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 EAGLE3_TENSORS = ("fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
+# Every tensor of a one-layer Llama EAGLE-3 head, as the loaders read them:
+# - TensorRT-LLM tensorrt_llm/_torch/models/modeling_speculative.py @b35ac1b64368513d215c57d2ed01d62d910df8da:
+#   Eagle3DraftModel has fc (Linear 3H -> H, bias only if config.bias), midlayer (Eagle3DecoderLayer: input_layernorm
+#   on the embedding, hidden_norm on the state, self_attn with q/k/v reading 2H, fused on load as FUSED_QKV_LINEAR,
+#   post_attention_layernorm, mlp gate/up/down), norm, d2t (only when draft_vocab_size != vocab_size);
+#   Eagle3ForCausalLM.load_weights prefixes "model." to every key but lm_head.*, and takes lm_head from the target
+#   when the head has none. No embed_tokens unless target_hidden_size differs from hidden_size.
+# - vLLM vllm/model_executor/models/llama_eagle3.py @583507d13075783a12ccbd774575974d10ca4959: load_weights skips
+#   "t2d", renames "d2t" to draft_id_to_target_id (logits of draft id d go to target id d + d2t[d]), prefixes
+#   "model." to the rest and maps "midlayer." to "layers.0."; an unknown key is a KeyError (params_dict[name]).
+# - SGLang python/sglang/srt/models/llama_eagle3.py @d737979cbd17c6162f39c1953cfa72d3d23cc0d0: LlamaModel has fc,
+#   midlayer, norm (prefixed "model." on load), lm_head of draft_vocab_size rows (tie_word_embeddings true would make
+#   it the embedding: heads write false); load_weights turns d2t into hot_token_id = d2t + arange and skips t2d;
+#   names it does not know are skipped silently (so only the two loaders above catch a misspelt key).
+EAGLE3_HEAD_TENSORS = (
+    "fc.weight",
+    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+    "norm.weight", "lm_head.weight", "d2t", "t2d",
+)  # fmt: skip
+EAGLE3_DRAFT_VOCAB_KEY = "draft_vocab_size"  # config.json; TensorRT-LLM and vLLM size lm_head and d2t by it
 # vLLM speculators' format names this architecture; TensorRT-LLM's Eagle3 loader does not read it.
 SPECULATORS_ARCHITECTURES = ("Eagle3Speculator",)
 
