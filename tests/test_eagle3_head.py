@@ -245,3 +245,22 @@ def test_head_trains_on_cuda(eight_layer_target, tmp_path, monkeypatch):
     assert record["device"].startswith("cuda")
     history = record["training"]["history"]
     assert len(history) >= 3 and history[-1][2] < 0.9 * history[0][2], history
+
+
+def test_cli_distill_kind_eagle3(eight_layer_target, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from specpipe.cli import cli
+
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "cache"))
+    result = CliRunner().invoke(cli, [
+        "distill", "--target", str(eight_layer_target), "--out", str(tmp_path / "head"), "--kind", "eagle3",
+        "--answer-tokens", "300", "--train-tokens", "1500", "--answer-batch", "16", "--max-answer-tokens", "12",
+        "--batch-tokens", "256", "--head-vocab", "64", "--feature-layers", "1,2,5", "--ttt-steps", "2",
+        "--no-warm-start", "--teacher-dtype", "float32", "--train-dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    assert "by drafted position" in result.output
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 5] and config["draft_vocab_size"] == 64
+    record = json.loads((tmp_path / "head" / "distill.json").read_text())
+    assert record["training"]["ttt_steps"] == 2 and record["training"]["warm_start"] is False

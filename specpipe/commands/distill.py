@@ -95,5 +95,8 @@ def distill(as_json: bool, data, **options) -> None:
         click.echo(f"  precision {PrecisionChoice(**choice).describe()} on {record['device']}")
     if record["held_out_agreement"] is not None:
         click.echo(f"  agreement with the target's greedy answers on held-out prompts: {record['held_out_agreement']:.3f}")
-    if "verdict" in record:
+    if record.get("held_out_agreement_by_step"):
+        click.echo("  by drafted position (EAGLE-3 head, given the earlier ones accepted): "
+                   + ", ".join(f"{a:.3f}" for a in record["held_out_agreement_by_step"]))
+    if record.get("verdict"):
         click.echo(f"  {verdict_line(record['verdict'])}")

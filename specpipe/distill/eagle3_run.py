@@ -111,6 +111,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
                  "tokens": sum(len(s) for s in train_set),
                  "answer_tokens": sum(len(s) - s.prompt_len for s in train_set if s.prompt_len)},
         "training": {"steps": state.step, "seconds": round(state.elapsed_s, 1), "tokens_seen": state.tokens_seen,
+                     "epochs": round(state.tokens_seen / max(1, sum(len(s) for s in train_set)), 2),
                      "ttt_steps": cfg.ttt_steps, "ttt_decay": cfg.ttt_decay, "warm_start": cfg.warm_start,
                      "final_loss": round(state.recent_loss, 4), "history": state.history},
         # Step-0 agreement with the target's greedy token on held-out prompts, of the weights kept (the best seen).
