@@ -396,6 +396,19 @@ class DistillConfig(Strict):
     resume: bool = Field(False, description="continue a stopped run from OUT's saved training state")
     force: bool = Field(False, description="replace an existing OUT")
     threads: Threads = Field(THREADS, description="torch threads")
+    # ---- --kind: what is trained (specpipe/distill/eagle3.py for eagle3) ----
+    kind: Literal["model", "eagle3"] = Field(
+        "model", description="model: a small Llama draft (its own layers and embedding); eagle3: an EAGLE-3 head that "
+        "reads the target's hidden states (written in upstream's EAGLE-3 checkpoint format)"
+    )
+    feature_layers: Optional[list[int]] = Field(
+        None, description="eagle3: target layers whose outputs the head reads (0-based layer-output ids, SGLang / "
+        "TensorRT-LLM numbering); default 1, N/2-1, N-4"
+    )
+    head_vocab: int = Field(8192, ge=16, description="eagle3: draft vocabulary of the head (the most frequent answer tokens)")
+    ttt_steps: int = Field(3, ge=1, le=16, description="eagle3: training-time test, steps the head is unrolled on its own states")
+    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3: loss weight of unrolled step k is decay^k (normalized)")
+    warm_start: bool = Field(True, description="eagle3: start lm_head rows, final norm and MLP from the target's")
 
 
 class BenchConfig(Strict):

@@ -94,3 +94,22 @@ def choose_token_ids(folder: Path, size: Optional[int], vocab_size: int, always:
     total = sum(ranking["counts"]) or 1
     return {"token_ids": ids, "size": len(ids), "source": FILE, "ranked_tokens": int(total),
             "coverage": round(sum(counts.get(int(i), 0) for i in ids) / total, 5)}
+
+
+def top_token_ids(counts: np.ndarray, size: int, always: Iterable[int] = ()) -> np.ndarray:
+    """The `size` most frequent token ids of `counts` (ties by id), `always` included whatever their rank, then
+    unused ids in id order if fewer tokens occur; sorted. The same rule as `choose_token_ids`, for a vocabulary
+    chosen at training time (an EAGLE-3 head's lm_head rows, `d2t`/`t2d`)."""
+    vocab_size = len(counts)
+    size = min(int(size), vocab_size)
+    kept = dict.fromkeys(sorted({int(i) for i in always if 0 <= int(i) < vocab_size}))
+    seen = np.flatnonzero(counts)
+    for token in seen[np.lexsort((seen, -counts[seen]))]:
+        if len(kept) >= size:
+            break
+        kept.setdefault(int(token))
+    for token in range(vocab_size):
+        if len(kept) >= size:
+            break
+        kept.setdefault(token)
+    return np.array(sorted(kept), dtype=np.int64)

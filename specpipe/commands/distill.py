@@ -40,6 +40,13 @@ def _option(name: str, **kwargs):
 @_option("--negatives", type=int)
 @_option("--checkpoint-every", type=int)
 @_option("--threads", type=int)
+@_option("--kind", type=click.Choice(field_choices(DistillConfig, "kind")))
+@click.option("--feature-layers", default=None, help=field_help(DistillConfig, "feature_layers") + " (comma-separated)")
+@_option("--head-vocab", type=int)
+@_option("--ttt-steps", type=int)
+@_option("--ttt-decay", type=float)
+@click.option("--warm-start/--no-warm-start", default=field_default(DistillConfig, "warm_start"), show_default=True,
+              help=field_help(DistillConfig, "warm_start"))
 @click.option("--resume", is_flag=True, help=field_help(DistillConfig, "resume"))
 @click.option("--force", is_flag=True, help=field_help(DistillConfig, "force"))
 @click.option("--json", "as_json", is_flag=True, help="Print the distillation record as JSON when done.")
@@ -66,7 +73,9 @@ def distill(as_json: bool, data, **options) -> None:
     from specpipe.distill.precision import PrecisionChoice
     from specpipe.distill.verdict import verdict_line
 
-    cfg = make_config(DistillConfig, data=list(data), **options)
+    layers = options.pop("feature_layers")
+    cfg = make_config(DistillConfig, data=list(data), **options,
+                      feature_layers=[int(i) for i in layers.split(",")] if layers else None)
     progress = RichDistillProgress()
     try:
         result = run_distill(cfg, progress)
@@ -86,5 +95,8 @@ def distill(as_json: bool, data, **options) -> None:
         click.echo(f"  precision {PrecisionChoice(**choice).describe()} on {record['device']}")
     if record["held_out_agreement"] is not None:
         click.echo(f"  agreement with the target's greedy answers on held-out prompts: {record['held_out_agreement']:.3f}")
-    if "verdict" in record:
+    if record.get("held_out_agreement_by_step"):
+        click.echo("  by drafted position (EAGLE-3 head, given the earlier ones accepted): "
+                   + ", ".join(f"{a:.3f}" for a in record["held_out_agreement_by_step"]))
+    if record.get("verdict"):
         click.echo(f"  {verdict_line(record['verdict'])}")

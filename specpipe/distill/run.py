@@ -56,7 +56,8 @@ def _nearest_existing_parent(path: Path) -> Path:
     return path
 
 
-def _teacher_cache_key(cfg: DistillConfig, target, prompts: list[dict], source: str, dtype: str, device) -> dict:
+def _teacher_cache_key(cfg: DistillConfig, target, prompts: list[dict], source: str, dtype: str, device,
+                       feature_layers: tuple[int, ...] = ()) -> dict:
     import hashlib
 
     prompts_hash = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
@@ -65,6 +66,8 @@ def _teacher_cache_key(cfg: DistillConfig, target, prompts: list[dict], source: 
            "sample_temperature": cfg.sample_temperature, "batch": cfg.answer_batch, "seed": cfg.seed}
     if device.type != "cpu":  # kernels differ by device; CPU keys stay as they were (caches remain valid)
         key["device"] = device.type
+    if feature_layers:  # answers with EAGLE-3 features are a cache of their own; plain caches keep their keys
+        key["features"] = list(feature_layers)
     return key
 
 
@@ -123,9 +126,10 @@ class _Teachers:
 
 
 def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int], progress: DistillProgress,
-                  device, precision: dict):
+                  device, precision: dict, feature_layers: tuple[int, ...] = ()):
     """Generate (or reuse) the target's answers and, if asked, labelled stdlib text. Returns sequences.
-    Sets precision["teacher"] to the PrecisionChoice it used."""
+    Sets precision["teacher"] to the PrecisionChoice it used. `feature_layers`: the answers also carry the
+    target's residual stream after those layers (EAGLE-3 features, recorded in the same forward passes)."""
     from specpipe.checkpoint import cache_dir
     from specpipe.distill.precision import choose_precision
     from specpipe.distill.prompts import training_prompts
@@ -143,7 +147,8 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
     dtype = choice.dtype
 
     if "answers" in cfg.data:
-        cache = TeacherCache.for_settings(root, _teacher_cache_key(cfg, target, prompts, "answers", dtype, device))
+        cache = TeacherCache.for_settings(root, _teacher_cache_key(cfg, target, prompts, "answers", dtype, device,
+                                                                   feature_layers))
         budget_tokens = cfg.answer_tokens
         complete = cache.answer_tokens >= budget_tokens if budget_tokens else cache.seconds >= budget_s
         if not complete:
@@ -165,6 +170,7 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
                 teachers(dtype), tokenizer, cache, prompts, budget_s=budget_s, budget_tokens=budget_tokens,
                 batch_size=cfg.answer_batch, max_new_tokens=cfg.max_answer_tokens, eos_token_ids=eos_ids,
                 top_k=cfg.teacher_top_k, sample_temperature=cfg.sample_temperature, seed=cfg.seed, on_batch=on_batch,
+                feature_layers=feature_layers,
             )
             if budget_tokens and cache.answer_tokens < budget_tokens:
                 progress.log(f"time cap (--minutes) reached at {cache.answer_tokens:,} of {budget_tokens:,} answer "
@@ -204,6 +210,10 @@ def distill(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> D
     from specpipe.distill.verdict import measure_costs, verdict, verdict_line
     from specpipe.machine import describe_machine
 
+    if cfg.kind == "eagle3":
+        from specpipe.distill.eagle3_run import distill_eagle3
+
+        return distill_eagle3(cfg, progress or SilentProgress())
     progress = progress or SilentProgress()
     started = time.perf_counter()
     out = check_out_dir(cfg)

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -35,6 +35,9 @@ class TeacherSequence:
     top_logprobs: torch.Tensor  # [T-1, k] float16, log p (full-vocabulary softmax)
     prompt_len: int  # tokens before the answer (chat template + prompt); 0 for plain text
     kind: str  # "code" | "chat" | "stdlib" | "custom"
+    # EAGLE-3 features, recorded in the same pass when asked: row t = the target's residual stream at position t after
+    # each feature layer, concatenated ([T-1, len(layers) * hidden] float16; export/features.py). None otherwise.
+    features: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return int(self.token_ids.numel())
@@ -44,7 +47,8 @@ class TeacherSequence:
         return len(self) - self.prompt_len if self.prompt_len else 0
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("token_ids", "top_ids", "top_logprobs", "prompt_len", "kind")}
+        names = ("token_ids", "top_ids", "top_logprobs", "prompt_len", "kind") + (() if self.features is None else ("features",))
+        return {k: getattr(self, k) for k in names}
 
 
 class TeacherCache:
@@ -119,11 +123,23 @@ def answer_prompts(
     top_k: int,
     temperature: float = 0.0,
     generator: Optional[torch.Generator] = None,
+    feature_layers: Sequence[int] = (),
 ) -> list[TeacherSequence]:
     """Let the target answer a batch of prompts (left-padded, KV cache), keeping its top-k at every position.
 
     temperature 0 = greedy. Rows that finished keep stepping on pad tokens (ignored) until all are done.
+    feature_layers (layer-output ids): also keep the residual stream after those layers at every position, from the
+    same forward passes (EAGLE-3 features; no second target pass).
     """
+    from specpipe.export.features import hf_hidden_state_index
+
+    taps = [hf_hidden_state_index(i) for i in feature_layers]
+
+    def features_of(out) -> Optional[torch.Tensor]:  # [batch, n, len(taps) * hidden] float16 on the CPU
+        if not taps:
+            return None
+        return torch.cat([out.hidden_states[i] for i in taps], dim=-1).to(torch.float16).cpu()
+
     batch = len(prompt_ids)
     width = max(len(ids) for ids in prompt_ids)
     input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
@@ -134,9 +150,12 @@ def answer_prompts(
     device = next(model.parameters()).device
     input_ids, mask = input_ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                output_hidden_states=bool(taps))
     cache, logits = out.past_key_values, out.logits[:, -1]
     prompt_tops = [_top_k(out.logits[row, width - len(ids) :], top_k) for row, ids in enumerate(prompt_ids)]
+    prompt_features = features_of(out)
+    step_features: list[torch.Tensor] = []  # per decode step: [batch, 1, F]
     del out
 
     answers: list[list[int]] = [[] for _ in range(batch)]
@@ -162,8 +181,10 @@ def answer_prompts(
         tokens = torch.where(done, torch.full_like(tokens, pad_token_id), tokens)
         mask = torch.cat([mask, (~done).long()[:, None]], dim=1)
         out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    past_key_values=cache, use_cache=True)
+                    past_key_values=cache, use_cache=True, output_hidden_states=bool(taps))
         cache, logits = out.past_key_values, out.logits[:, -1]
+        if taps:
+            step_features.append(features_of(out))
         next_pos = next_pos + 1
 
     sequences = []
@@ -174,8 +195,12 @@ def answer_prompts(
         top_ids = torch.cat([prompt_tops[row][0]] + [t[0][None] for t in answer_tops[row][1:]])
         top_lp = torch.cat([prompt_tops[row][1]] + [t[1][None] for t in answer_tops[row][1:]])
         token_ids = torch.tensor(ids + answer, dtype=torch.long)
+        features = None
+        if taps:  # positions 0..T-2: the prompt's, then one per answer token the target ran on
+            rows = [prompt_features[row, width - len(ids) :]] + [f[row] for f in step_features[: len(answer) - 1]]
+            features = torch.cat(rows)[: len(token_ids) - 1]
         sequences.append(TeacherSequence(token_ids, top_ids[: len(token_ids) - 1], top_lp[: len(token_ids) - 1],
-                                         len(ids), kinds[row]))
+                                         len(ids), kinds[row], features))
     return sequences
 
 
@@ -216,6 +241,7 @@ def generate_teacher_data(
     sample_temperature: float,
     seed: int,
     on_batch: Callable[[int, float], None] = lambda tokens, seconds: None,
+    feature_layers: Sequence[int] = (),
 ) -> None:
     """Answer prompts in order until the cache holds `budget_tokens` answer tokens (a work budget: the
     same answers on any machine), or, without one, until its generation time reaches `budget_s`. With a
@@ -244,7 +270,7 @@ def generate_teacher_data(
         sequences = answer_prompts(
             model, ids, kinds=[p["kind"] for p in chosen], max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
             pad_token_id=pad, top_k=top_k, temperature=0.0 if round_index == 0 else sample_temperature,
-            generator=generator,
+            generator=generator, feature_layers=feature_layers,
         )
         seconds = time.perf_counter() - t0
         cache.append(sequences, seconds, len(chosen))

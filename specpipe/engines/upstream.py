@@ -9,8 +9,9 @@ edit here fails a test instead of passing silently.
 from __future__ import annotations
 
 # The head's format is a checkpoint fact; re-exported here so this file lists every upstream name.
-from specpipe.checkpoint.eagle3 import (EAGLE3_ARCHITECTURES, EAGLE3_CONFIG_BLOCK, EAGLE3_LAYER_IDS_KEY,  # noqa: F401
-                                       EAGLE3_TENSORS, SPECULATORS_ARCHITECTURES)
+from specpipe.checkpoint.eagle3 import (EAGLE3_ARCHITECTURES, EAGLE3_CONFIG_BLOCK, EAGLE3_DRAFT_VOCAB_KEY,  # noqa: F401
+                                       EAGLE3_HEAD_TENSORS, EAGLE3_LAYER_IDS_KEY, EAGLE3_TENSORS,
+                                       SPECULATORS_ARCHITECTURES)
 
 # ---- TensorRT-LLM: which release still has the TensorRT engine path ------------------------------------
 # TensorRT-LLM deprecated (PR 11723, 2026-02) and then removed the TensorRT engine backend: examples with

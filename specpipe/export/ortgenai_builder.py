@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 from specpipe.errors import ExportError, last_line
 
@@ -44,10 +44,20 @@ BUILDER_MODULE = "onnxruntime_genai.models.builder"
 
 
 def run_model_builder(checkpoint_dir: Path, out_dir: Path, precision: Precision, cache_dir: Path, *,
-                      extra_options: Optional[dict[str, str]] = None, timeout_s: float = 1800) -> Path:
+                      extra_options: Optional[dict[str, str]] = None, feature_layers: Optional[Sequence[int]] = None,
+                      timeout_s: float = 1800) -> Path:
     """Build `checkpoint_dir` into `out_dir` (model.onnx, model.onnx.data, genai_config.json, tokenizer files)
-    for the CPU execution provider at `precision`. Raises ExportError in one line on any failure."""
+    for the CPU execution provider at `precision`. Raises ExportError in one line on any failure.
+
+    `feature_layers` (layer-output ids, export/features.py; None: off) adds the output `aux_hidden_states`
+    [batch, new tokens, hidden * len(feature_layers)]: the residual stream after each of those layers, for an
+    EAGLE-3 head. The builder's own option does it (it numbers layers by the one they enter)."""
+    from specpipe.export.features import builder_layers
+
     checkpoint_dir, out_dir, cache_dir = Path(checkpoint_dir), Path(out_dir), Path(cache_dir)
+    if feature_layers:
+        extra_options = {**(extra_options or {}),
+                         "aux_hidden_state_layers": ",".join(str(i) for i in builder_layers(feature_layers))}
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ortgenai-input-", dir=cache_dir) as view:
         _checkpoint_view(checkpoint_dir, Path(view))

@@ -1,0 +1,144 @@
+"""`specpipe distill --kind eagle3`: target answers with features (cached) -> EAGLE-3 head -> upstream's head format.
+
+The same teacher pass as the model draft (distill/run.py) also keeps the target's residual stream after the
+feature layers, so the head trains without running the target again. The head is written as upstream's EAGLE-3
+checkpoint (checkpoint/eagle3.py): config.json + model.safetensors, no tokenizer, plus distill.json (how it was made).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from specpipe.config import DistillConfig
+from specpipe.distill.progress import DistillProgress
+from specpipe.errors import UsageError
+
+HELD_OUT_SHARE = 0.15  # of prompts: every answer to a held-out prompt stays out of training
+HELD_OUT_MAX = 48  # answers the held-out agreement is measured on
+
+
+def prompt_key(seq) -> str:
+    return hashlib.sha256(seq.token_ids[: seq.prompt_len].numpy().tobytes()).hexdigest()
+
+
+def split_by_prompt(sequences: list, share: float = HELD_OUT_SHARE) -> tuple[list, list]:
+    """(train, held out): a prompt is held out when its hash says so, with all of its answers (greedy and sampled)."""
+    held = [s for s in sequences if s.prompt_len and int(prompt_key(s)[:8], 16) % 1000 < share * 1000]
+    held_ids = {id(s) for s in held}
+    return [s for s in sequences if id(s) not in held_ids] or sequences, held[:HELD_OUT_MAX]
+
+
+def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
+    import torch
+
+    from specpipe.checkpoint import load_causal_lm, load_tokenizer, resolve_checkpoint
+    from specpipe.checkpoint.draft_vocab import count_tokens, top_token_ids
+    from specpipe.checkpoint.load import require_causal_lm
+    from specpipe.distill.eagle3 import make_head
+    from specpipe.distill.eagle3_train import HeadTrainer
+    from specpipe.distill.precision import choose_precision, resolve_device
+    from specpipe.distill.run import RECORD, STATE_DIR, DistillResult, _eos_ids, _teacher_data, check_out_dir
+    from specpipe.export.features import check_layers, default_layers
+    from specpipe.machine import describe_machine
+
+    started = time.perf_counter()
+    if cfg.data != ["answers"]:
+        raise UsageError("--kind eagle3 trains on the target's answers only (--data answers): features come from them")
+    out = check_out_dir(cfg)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA device here (use --device auto or cpu)")
+    device = resolve_device(cfg.device)
+    torch.set_num_threads(cfg.threads)
+
+    target = resolve_checkpoint(cfg.target)
+    require_causal_lm(target.path)
+    tokenizer = load_tokenizer(target.path)
+    model = load_causal_lm(target.path)
+    num_layers = model.config.num_hidden_layers
+    try:
+        layers = check_layers(cfg.feature_layers, num_layers) if cfg.feature_layers else default_layers(num_layers)
+    except ValueError as err:
+        raise UsageError(f"--feature-layers: {err}") from None
+    eos_ids = _eos_ids(target.path, tokenizer)
+
+    precision: dict = {}
+    sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress, device, precision, feature_layers=layers)
+    train_set, held_out = split_by_prompt(sequences)
+    counts = count_tokens(train_set, model.config.vocab_size)
+    vocab_ids = top_token_ids(counts, cfg.head_vocab, always=eos_ids)
+    head = make_head(model, feature_layers=layers, draft_token_ids=torch.as_tensor(vocab_ids), warm_start=cfg.warm_start,
+                     seed=cfg.seed).to(device)
+
+    state_path = out / STATE_DIR / "state.pt"
+    if cfg.force and out.is_dir() and not cfg.resume:
+        shutil.rmtree(out)
+    train_budget_s = cfg.minutes * 60 * (1 - cfg.data_fraction)
+    trainer = HeadTrainer(head, train_set, steps=cfg.ttt_steps, decay=cfg.ttt_decay, budget_s=train_budget_s, lr=cfg.lr,
+                          batch_tokens=cfg.batch_tokens, negatives=cfg.negatives, seed=cfg.seed, state_path=state_path,
+                          checkpoint_every=cfg.checkpoint_every, budget_tokens=cfg.train_tokens, held_out=held_out)
+    choice = choose_precision("train", cfg.train_dtype, device, trainer.probe, options=["float32", "bfloat16"])
+    precision["train"] = choice
+    trainer.dtype = choice.dtype
+    progress.log(f"precision {choice.describe()}")
+    if cfg.resume:
+        trainer.load()
+    total = cfg.train_tokens or train_budget_s
+    progress.phase("train", total, f"training EAGLE-3 head ({choice.dtype})")
+    state = trainer.run(on_step=lambda r: progress.update(
+        min(r.tokens_seen if cfg.train_tokens else r.elapsed_s, total), loss=r.loss, agree=r.agreement,
+        tok_s=r.tokens_per_s))
+    trainer.save()
+
+    best = trainer.best
+    parameters = sum(p.numel() for p in head.parameters())
+    record = {
+        "format": 1,
+        "kind": "eagle3",
+        "target": {"source": cfg.target, "path": str(target.path), "weights_sha256": target.weights_sha256},
+        "config": json.loads(cfg.model_dump_json()),
+        "draft": {"layers": 1, "width": head.shape.hidden_size, "parameters": parameters,
+                  "feature_layers": list(layers), "draft_vocab_size": len(vocab_ids),
+                  "draft_vocab_coverage": round(float(counts[vocab_ids].sum() / max(1, counts.sum())), 5),
+                  # weights read per drafted token against the target's (a tied embedding counted once)
+                  "weights_read_per_token_vs_target": round(parameters / sum(p.numel() for p in model.parameters()), 4)},
+        "data": {"sequences": len(train_set), "held_out": len(held_out), "held_out_prompts": "split by prompt",
+                 "tokens": sum(len(s) for s in train_set),
+                 "answer_tokens": sum(len(s) - s.prompt_len for s in train_set if s.prompt_len)},
+        "training": {"steps": state.step, "seconds": round(state.elapsed_s, 1), "tokens_seen": state.tokens_seen,
+                     "epochs": round(state.tokens_seen / max(1, sum(len(s) for s in train_set)), 2),
+                     "ttt_steps": cfg.ttt_steps, "ttt_decay": cfg.ttt_decay, "warm_start": cfg.warm_start,
+                     "final_loss": round(state.recent_loss, 4), "history": state.history},
+        # Step-0 agreement with the target's greedy token on held-out prompts, of the weights kept (the best seen).
+        "held_out_agreement": best[0] if best else None,
+        "held_out_agreement_by_step": next((e[4] for e in state.evals if best and e[0] == best[1]), None),
+        "kept_step": best[1] if best else state.step,
+        "held_out_curve": state.evals,
+        "verdict": None,  # needs the head's engine cost, measured when it runs as a CPU engine (not yet)
+        "device": str(device),
+        "machine": describe_machine(cfg.threads).as_dict(),
+        "precision": {phase: c.as_dict() for phase, c in precision.items()},
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    head.to("cpu")
+    _write_head(head, out, record)
+    shutil.rmtree(out / STATE_DIR, ignore_errors=True)
+    return DistillResult(out, record)
+
+
+def _write_head(head, out: Path, record: dict) -> None:
+    """Write into a temp folder beside OUT, then move the files in: OUT never holds half a head."""
+    from specpipe.checkpoint.eagle3 import head_config, write_eagle3_head
+    from specpipe.distill.run import RECORD
+
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
+        write_eagle3_head(Path(tmp), head.state_dict(), head_config(head.shape))
+        (Path(tmp) / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        for item in Path(tmp).iterdir():
+            os.replace(item, out / item.name)
