@@ -84,7 +84,7 @@ def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: boo
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest.target.engine.backend == "trtllm":
-        from specpipe.build.trtllm_manifest import SERVED_BY
+        from specpipe.manifest import SERVED_BY
 
         raise EngineError(f"{folder} is a TensorRT-LLM build: it runs only in TensorRT-LLM ({SERVED_BY})")
     tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest.tokenizer.path))

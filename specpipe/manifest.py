@@ -28,6 +28,9 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 
 
+# Where a TensorRT-LLM build runs (its manifest says so; in-process loading refuses it).
+SERVED_BY = "trtllm-serve or Triton on a GPU; gate it with `specpipe validate --endpoint`"
+
 class _Part(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 

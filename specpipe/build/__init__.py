@@ -13,11 +13,21 @@ from pathlib import Path
 from typing import Optional
 
 from specpipe.build.cpu import Progress, build_cpu
-from specpipe.build.plan import GpuMemoryError, Plan, make_plan, render_plan, write_plan_repository
+from specpipe.build import plan as _plan
+from specpipe.build.plan import GpuMemoryError, Plan, render_plan, write_plan_repository
 from specpipe.build.run import run_plan
+from specpipe.build.trtllm_manifest import plan_manifest
 from specpipe.config import BuildConfig
 
 __all__ = ["GpuMemoryError", "Plan", "build", "make_plan", "render_plan", "run_plan", "write_plan_repository"]
+
+
+def make_plan(cfg: BuildConfig) -> Plan:
+    """The GPU build's plan (build/plan.py); a TensorRT-LLM plan also holds the manifest its build writes last."""
+    plan = _plan.make_plan(cfg)
+    if cfg.backend.kind == "trtllm":
+        plan = plan.model_copy(update={"manifest": plan_manifest(plan, cfg)})
+    return plan
 
 
 def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:

@@ -217,11 +217,7 @@ def make_plan(cfg: BuildConfig) -> Plan:
         target=_planned(jobs[0], cfg, work), draft=_planned(jobs[1], cfg, work) if len(jobs) > 1 else None,
         steps=tuple(steps), repository=tuple(str(p) for p in repository), memory=memory, serve=serve, notes=tuple(notes),
     )  # fmt: skip
-    if cfg.backend.kind == "trtllm":
-        from specpipe.build.trtllm_manifest import plan_manifest
-
-        plan = plan.model_copy(update={"manifest": plan_manifest(plan, cfg)})
-    return plan
+    return plan  # a TensorRT-LLM plan gets its manifest in specpipe.build.make_plan (build/trtllm_manifest.py)
 
 
 def plan_memory(

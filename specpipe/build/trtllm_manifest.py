@@ -17,14 +17,14 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from specpipe.manifest import EngineRecord, Manifest, ModelDraft, ModelEntry, NgramDraft, ServingRecord, TokenizerRecord
+from specpipe.manifest import (SERVED_BY, EngineRecord, Manifest, ModelDraft, ModelEntry, NgramDraft, ServingRecord,
+                               TokenizerRecord)
 
 if TYPE_CHECKING:
     from specpipe.build.plan import Plan, PlannedModel
     from specpipe.config import BuildConfig
 
 AT_BUILD = "(at build)"  # a value the dry run cannot know: computed from the resolved checkpoint by the real build
-SERVED_BY = "trtllm-serve or Triton on a GPU; gate it with `specpipe validate --endpoint`"
 
 
 def engine_record(model: "PlannedModel", work: Path, flow: str, files: Optional[dict[str, str]] = None) -> EngineRecord:

@@ -6,7 +6,18 @@ Stages: teacher data (target answers with top-k probabilities, cached) -> studen
 embedding is the target's, projected) -> training (soft cross-entropy over a candidate set) -> checkpoint.
 """
 
+from typing import Optional
+
+from specpipe.config import DistillConfig
+from specpipe.distill.eagle3_run import distill_eagle3
 from specpipe.distill.progress import DistillProgress, RichDistillProgress, SilentProgress
-from specpipe.distill.run import DistillResult, distill
+from specpipe.distill.run import DistillResult, distill_model
+
+
+def distill(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> DistillResult:
+    """Train what `cfg.kind` names for cfg.target and write it to cfg.out: a small draft model (run.py) or an
+    EAGLE-3 head (eagle3_run.py)."""
+    train = distill_eagle3 if cfg.kind == "eagle3" else distill_model
+    return train(cfg, progress or SilentProgress())
 
 __all__ = ["DistillProgress", "DistillResult", "RichDistillProgress", "SilentProgress", "distill"]

@@ -197,8 +197,9 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
     return sequences
 
 
-def distill(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> DistillResult:
-    """Train a draft for cfg.target and write it to cfg.out as an HF checkpoint (safetensors, tokenizer, config)."""
+def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> DistillResult:
+    """--kind model: train a draft for cfg.target and write it to cfg.out as an HF checkpoint (safetensors, tokenizer,
+    config)."""
     import torch
 
     from specpipe.checkpoint import load_causal_lm, load_tokenizer, resolve_checkpoint
@@ -210,10 +211,6 @@ def distill(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> D
     from specpipe.distill.verdict import measure_costs, verdict, verdict_line
     from specpipe.machine import describe_machine
 
-    if cfg.kind == "eagle3":
-        from specpipe.distill.eagle3_run import distill_eagle3
-
-        return distill_eagle3(cfg, progress or SilentProgress())
     progress = progress or SilentProgress()
     started = time.perf_counter()
     out = check_out_dir(cfg)

@@ -88,7 +88,10 @@ def _run_check(name: str, subject: Subject, gate: GateConfig, bar, remeasure: bo
             result = greedy.check_greedy(subject, gate, tick)
         elif name == "distribution_equivalence":
             in_server = subject.mode != "in-process"
-            planned = subject.distribution_cases(gate, gate.distribution.server_samples if in_server else None)
+            budget = gate.distribution.server_samples if in_server else None
+            planned = subject.distribution_cases(gate, budget)
+            if planned is None:
+                planned = distribution.plan_cases(subject, gate, budget)
             bar.update(task, total=sum(case.samples for case in planned))
             result = distribution.check_distribution(subject, gate, planned, tick, server_budget=in_server)
         elif name == "quantization_accuracy":
@@ -156,7 +159,8 @@ def _open_subject(target, mode: GateMode, gate: GateConfig, *, engines, model_na
         yield InProcessSubject(load_deployment(_existing(target, "engines folder"), threads=threads), chat=gate.chat)
         return
 
-    from specpipe.gate.server import ServerSubject, check_reachable, served_engine_dir
+    from specpipe.gate.server import ServerSubject, check_reachable
+    from specpipe.triton.repository import served_engine_dir
     from specpipe.triton.client import DEFAULT_MODEL
 
     model_name = model_name or DEFAULT_MODEL

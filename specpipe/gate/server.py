@@ -31,20 +31,6 @@ def check_reachable(url: str, model_name: str, timeout_s: float = 3.0) -> None:
         raise GateError(str(err)) from None
 
 
-def served_engine_dir(repo: Path, model_name: str) -> Path:
-    """The deployment a repository's model serves: <repo>/<model>/1/<engine_dir parameter>."""
-    from specpipe.triton.model_config import read_config
-    from specpipe.triton.repository import VERSION, ModelParameters
-
-    model_dir = Path(repo) / model_name
-    if not (model_dir / "config.pbtxt").is_file():
-        models = sorted(p.name for p in Path(repo).iterdir() if (p / "config.pbtxt").is_file()) if Path(repo).is_dir() else []
-        raise GateError(f"{repo} has no model {model_name!r} (models: {', '.join(models) or 'none'}); see --model")
-    parameters = {key: value.string_value for key, value in read_config(model_dir).parameters.items()}
-    engine_dir = parameters.get("engine_dir", ModelParameters().engine_dir)
-    return model_dir / VERSION / engine_dir
-
-
 class ServerSubject(Subject):
     mode = "server"
 

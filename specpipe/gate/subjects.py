@@ -60,11 +60,10 @@ class Subject(ABC):
         """The deployment decodes with the target alone (build chose no draft): nothing for a draft threshold to judge."""
         return self.reference.drafter is None
 
-    def distribution_cases(self, gate, budget: Optional[int]) -> list:
-        """The distribution check's cases (distribution.Case): the target's exact p from the reference engine."""
-        from specpipe.gate.distribution import plan_cases
-
-        return plan_cases(self, gate, budget)
+    def distribution_cases(self, gate, budget: Optional[int]) -> Optional[list]:
+        """The distribution check's cases (distribution.Case), or None for the default: the target's exact p from the
+        reference engine (distribution.plan_cases, applied by the gate's runner)."""
+        return None
 
     def unsupported(self, check: str) -> Optional[str]:
         """Why `check` cannot run on this subject (the report says it), or None when it can."""

@@ -423,9 +423,9 @@ def front_for_repository(repo, triton_url: str, timeout_s: float = 600.0) -> Fro
 
     from transformers import AutoTokenizer
 
-    from specpipe.gate.server import served_engine_dir
     from specpipe.manifest import read_manifest
     from specpipe.triton.model_config import read_config
+    from specpipe.triton.repository import served_engine_dir
 
     models, tokenizers = [], {}
     for model_dir in sorted(p for p in Path(repo).iterdir() if (p / "config.pbtxt").is_file()):

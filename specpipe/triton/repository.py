@@ -20,7 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specpipe.errors import OutputExistsError, UsageError
+from specpipe.errors import GateError, OutputExistsError, UsageError
 from specpipe.triton.model_config import ModelSpec
 from specpipe.triton.protocol import LLMAPI_SERVED_INPUTS, LLMAPI_SERVED_OUTPUTS, MAX_BATCH_SIZE, SERVED_INPUTS, SERVED_OUTPUTS
 
@@ -155,3 +155,16 @@ def _link_or_copy(src: str, dst: str) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
+
+
+def served_engine_dir(repo: Path, model_name: str) -> Path:
+    """The deployment a repository's model serves: <repo>/<model>/1/<engine_dir parameter>."""
+    from specpipe.triton.model_config import read_config
+
+    model_dir = Path(repo) / model_name
+    if not (model_dir / "config.pbtxt").is_file():
+        models = sorted(p.name for p in Path(repo).iterdir() if (p / "config.pbtxt").is_file()) if Path(repo).is_dir() else []
+        raise GateError(f"{repo} has no model {model_name!r} (models: {', '.join(models) or 'none'}); see --model")
+    parameters = {key: value.string_value for key, value in read_config(model_dir).parameters.items()}
+    engine_dir = parameters.get("engine_dir", ModelParameters().engine_dir)
+    return model_dir / VERSION / engine_dir
