@@ -235,6 +235,27 @@ def test_teacher_data_is_cached_and_restart_continues(tiny_target, cache, tmp_pa
         assert torch.equal(a, b)
 
 
+def test_auto_teacher_precision_reuses_data_cached_whole_in_either_dtype(tiny_target, cache, tmp_path, monkeypatch):
+    """Teacher data made in bfloat16 (as asked) is reused by a run with --teacher-dtype auto without measuring: a
+    measurement could pick float32 where both run about as fast, and miss the cache. Nothing cached: it measures."""
+    from specpipe.distill import distill
+    from specpipe.distill import precision
+
+    distill(_tiny_cfg(tiny_target, tmp_path / "a", teacher_dtype="bfloat16"))
+    measured = []
+    original = precision.choose_precision
+
+    def choose(phase, *args, **kwargs):
+        measured.append(phase)
+        return original(phase, *args, **kwargs)
+
+    monkeypatch.setattr(precision, "choose_precision", choose)
+    result = distill(_tiny_cfg(tiny_target, tmp_path / "b"))
+    assert "teacher" not in measured and result.record["precision"]["teacher"]["dtype"] == "bfloat16"
+    distill(_tiny_cfg(tiny_target, tmp_path / "c", max_answer_tokens=10))  # other settings: nothing cached
+    assert "teacher" in measured
+
+
 def test_resume_continues_a_saved_run(tiny_target, cache, tmp_path):
     """--resume picks up OUT's saved state and trains only the time that is left."""
     from specpipe.distill import distill

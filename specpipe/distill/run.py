@@ -125,6 +125,35 @@ class _Teachers:
         self.made.clear()
 
 
+def _answers_complete(cache, cfg: DistillConfig, budget_s: float) -> bool:
+    """The cached answers cover the budget: the work budget's answer tokens, else the time budget."""
+    return cache.answer_tokens >= cfg.answer_tokens if cfg.answer_tokens else cache.seconds >= budget_s
+
+
+def _cached_precision(cfg: DistillConfig, root: Path, target, prompts: list[dict], device, feature_layers: tuple[int, ...],
+                      budget_s: float):
+    """With --teacher-dtype auto: the candidate dtype whose teacher data is already cached whole for these settings, or
+    None. Measuring again could pick the other candidate where the two run about as fast (seen with AVX512-BF16),
+    and the cache, keyed by dtype, would then be made again (minutes of target answers)."""
+    from specpipe.distill.precision import PrecisionChoice, candidates
+    from specpipe.distill.teacher import TeacherCache
+
+    if cfg.teacher_dtype != "auto":
+        return None
+    for dtype in candidates(device):
+        complete = True
+        if "answers" in cfg.data:
+            cache = TeacherCache.existing(root, _teacher_cache_key(cfg, target, prompts, "answers", dtype, device,
+                                                                   feature_layers))
+            complete = cache is not None and _answers_complete(cache, cfg, budget_s)
+        if complete and "stdlib" in cfg.data:
+            cache = TeacherCache.existing(root, _teacher_cache_key(cfg, target, [], "stdlib", dtype, device))
+            complete = cache is not None and cache.seconds >= budget_s
+        if complete:
+            return PrecisionChoice("teacher", dtype, {})
+    return None
+
+
 def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int], progress: DistillProgress,
                   device, precision: dict, feature_layers: tuple[int, ...] = ()):
     """Generate (or reuse) the target's answers and, if asked, labelled stdlib text. Returns sequences.
@@ -141,17 +170,21 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
     teachers = _Teachers(model, device)
     prompts = (_read_prompts(cfg.prompts) if cfg.prompts else []) + training_prompts(cfg.seed)
     probe_ids = [tokenizer(p["prompt"])["input_ids"] for p in prompts[:2]]
-    choice = choose_precision("teacher", cfg.teacher_dtype, device, lambda dtype: teachers.probe(dtype, probe_ids))
+    choice = _cached_precision(cfg, root, target, prompts, device, feature_layers, budget_s)
+    if choice is not None:
+        progress.log(f"precision teacher: {choice.dtype} (the teacher data cached whole for these settings was made "
+                     "in it; not measured again)")
+    else:
+        choice = choose_precision("teacher", cfg.teacher_dtype, device, lambda dtype: teachers.probe(dtype, probe_ids))
+        progress.log(f"precision {choice.describe()}")
     precision["teacher"] = choice
-    progress.log(f"precision {choice.describe()}")
     dtype = choice.dtype
 
     if "answers" in cfg.data:
         cache = TeacherCache.for_settings(root, _teacher_cache_key(cfg, target, prompts, "answers", dtype, device,
                                                                    feature_layers))
         budget_tokens = cfg.answer_tokens
-        complete = cache.answer_tokens >= budget_tokens if budget_tokens else cache.seconds >= budget_s
-        if not complete:
+        if not _answers_complete(cache, cfg, budget_s):
             # With a work budget the bar counts answer tokens, so its ETA comes from the measured rate.
             total = budget_tokens or budget_s
             progress.phase("teacher", total, f"target answers ({dtype})")

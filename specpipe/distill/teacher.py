@@ -63,8 +63,17 @@ class TeacherCache:
 
     @classmethod
     def for_settings(cls, root: Path, key: dict) -> "TeacherCache":
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        return cls(Path(root) / digest, key)
+        return cls(cls._folder(root, key), key)
+
+    @classmethod
+    def existing(cls, root: Path, key: dict) -> Optional["TeacherCache"]:
+        """The cache for these settings if one was written, else None (nothing is created)."""
+        folder = cls._folder(root, key)
+        return cls(folder, key) if (folder / META).is_file() else None
+
+    @staticmethod
+    def _folder(root: Path, key: dict) -> Path:
+        return Path(root) / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def seconds(self) -> float:
