@@ -133,16 +133,21 @@ def test_chat_template_is_applied_server_side(server, local):
     assert generation.result["prompt_len"] == expected.prompt_len > len("hello")
 
 
+@pytest.mark.timing
 def test_concurrent_streaming_clients_all_complete_correctly_and_run_together(server, local):
-    """8 clients x 5 streamed requests on a 2-instance model: all correct, and all 8 in flight at once
-    (continuous batching: each instance decodes its requests together instead of queueing them)."""
+    """8 clients x 5 streamed requests on a 2-instance model: all correct, and more requests decoding at once than
+    there are instances (continuous batching: each instance decodes its requests together instead of queueing
+    them; a queueing server never has more than 2). The clients send each round together (a barrier); how many
+    overlap beyond that depends on the machine's load, so the test asserts the rule, not "all 8"."""
     cfgs = [GenerationConfig(max_new_tokens=n) for n in (8, 16, 24, 32, 40)]
     expected = {(p, c.max_new_tokens): local("ensemble", p, c).token_ids for p in PROMPTS for c in cfgs}
     results, errors = [], []
+    rounds = threading.Barrier(8)
 
     def client(index: int) -> None:
         try:
             for j, cfg in enumerate(cfgs):
+                rounds.wait(timeout=300)
                 prompt = PROMPTS[(index + j) % len(PROMPTS)]
                 generation = remote_generate(server.url, prompt, cfg, stream=True)
                 text = "".join(generation)
@@ -161,14 +166,17 @@ def test_concurrent_streaming_clients_all_complete_correctly_and_run_together(se
         assert result["token_ids"] == expected[(prompt, max_tokens)]
         assert text == result["text"]
 
-    # Server-side busy intervals (TensorRT-LLM's perf outputs): every client's request runs at once.
+    # Server-side intervals (TensorRT-LLM's perf outputs, arrival -> last token). The model stamps the arrival when
+    # its instance takes the request: on a server that queued them, a request waiting for its instance would arrive
+    # later, so at most 2 would overlap. An end sorts before a start at the same nanosecond.
     events = sorted([(r["perf"]["arrival_time_ns"], 1) for *_, r in results]
                     + [(r["perf"]["last_token_time_ns"], -1) for *_, r in results])
     busy, most = 0, 0
     for _, change in events:
         busy += change
         most = max(most, busy)
-    assert most == 8
+    print(f"at most {most} of 8 requests decoding at once")
+    assert most > 2, most  # 2 = the model's instances: more means requests were batched, not queued
 
 
 def _tensorrt_llm_client(url: str, prompt: str, *, streaming: bool, num_draft_tokens: int, seed: int):
