@@ -19,17 +19,20 @@ import subprocess
 import sys
 
 
-def _spin() -> None:
-    while True:
-        pass
+def _spin(parent: int) -> None:
+    """Busy until the hog that started it is gone: a hog ended by SIGKILL must not leave its loops spinning."""
+    while os.getppid() == parent:
+        for _ in range(1_000_000):  # tens of ms between checks
+            pass
 
 
 def run_loaded(command: list[str], cores: int) -> int:
     """Start `cores` busy loops, run `command` to its end, stop the loops; the command's exit code."""
     context = multiprocessing.get_context("spawn")
-    hogs = [context.Process(target=_spin, daemon=True) for _ in range(cores)]
+    hogs = [context.Process(target=_spin, args=(os.getpid(),), daemon=True) for _ in range(cores)]
     for hog in hogs:
         hog.start()
+    print("hog: loops " + " ".join(str(hog.pid) for hog in hogs), file=sys.stderr, flush=True)
     try:
         return subprocess.call(command)
     finally:
