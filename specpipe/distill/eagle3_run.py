@@ -37,29 +37,18 @@ def split_by_prompt(sequences: list, share: float = HELD_OUT_SHARE) -> tuple[lis
 def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     import torch
 
-    from specpipe.checkpoint import load_causal_lm, load_tokenizer, resolve_checkpoint
     from specpipe.checkpoint.draft_vocab import count_tokens, top_token_ids
-    from specpipe.checkpoint.load import require_causal_lm
     from specpipe.distill.eagle3 import make_head
     from specpipe.distill.eagle3_train import HeadTrainer
-    from specpipe.distill.precision import choose_precision, resolve_device
-    from specpipe.distill.run import RECORD, STATE_DIR, DistillResult, _eos_ids, _teacher_data, check_out_dir
+    from specpipe.distill.precision import choose_precision
+    from specpipe.distill.run import STATE_DIR, DistillResult, _eos_ids, _teacher_data, open_target
     from specpipe.export.features import check_layers, default_layers
     from specpipe.machine import describe_machine
 
     started = time.perf_counter()
     if cfg.data != ["answers"]:
         raise UsageError("--kind eagle3 trains on the target's answers only (--data answers): features come from them")
-    out = check_out_dir(cfg)
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: torch sees no CUDA device here (use --device auto or cpu)")
-    device = resolve_device(cfg.device)
-    torch.set_num_threads(cfg.threads)
-
-    target = resolve_checkpoint(cfg.target)
-    require_causal_lm(target.path)
-    tokenizer = load_tokenizer(target.path)
-    model = load_causal_lm(target.path)
+    out, device, target, tokenizer, model = open_target(cfg)
     num_layers = model.config.num_hidden_layers
     try:
         layers = check_layers(cfg.feature_layers, num_layers) if cfg.feature_layers else default_layers(num_layers)

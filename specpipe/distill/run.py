@@ -230,32 +230,39 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
     return sequences
 
 
-def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> DistillResult:
-    """--kind model: train a draft for cfg.target and write it to cfg.out as an HF checkpoint (safetensors, tokenizer,
-    config)."""
+def open_target(cfg: DistillConfig):
+    """What both kinds start from: OUT checked, the device and threads set, the target resolved and loaded.
+    Returns (out, device, target, tokenizer, model)."""
     import torch
 
     from specpipe.checkpoint import load_causal_lm, load_tokenizer, resolve_checkpoint
     from specpipe.checkpoint.load import require_causal_lm
-    from specpipe.distill.student import draft_cost_ratio, make_student
-    from specpipe.distill.train import Trainer
+    from specpipe.distill.precision import resolve_device
 
-    from specpipe.distill.precision import choose_precision, resolve_device
-    from specpipe.distill.verdict import measure_costs, verdict, verdict_line
-    from specpipe.machine import describe_machine
-
-    progress = progress or SilentProgress()
-    started = time.perf_counter()
     out = check_out_dir(cfg)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: torch sees no CUDA device here (use --device auto or cpu)")
     device = resolve_device(cfg.device)
     torch.set_num_threads(cfg.threads)
-
     target = resolve_checkpoint(cfg.target)
     require_causal_lm(target.path)
     tokenizer = load_tokenizer(target.path)
-    model = load_causal_lm(target.path)
+    return out, device, target, tokenizer, load_causal_lm(target.path)
+
+
+def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None) -> DistillResult:
+    """--kind model: train a draft for cfg.target and write it to cfg.out as an HF checkpoint (safetensors, tokenizer,
+    config)."""
+    from specpipe.distill.student import draft_cost_ratio, make_student
+    from specpipe.distill.train import Trainer
+
+    from specpipe.distill.precision import choose_precision
+    from specpipe.distill.verdict import measure_costs, verdict, verdict_line
+    from specpipe.machine import describe_machine
+
+    progress = progress or SilentProgress()
+    started = time.perf_counter()
+    out, device, target, tokenizer, model = open_target(cfg)
     eos_ids = _eos_ids(target.path, tokenizer)
 
     precision: dict = {}

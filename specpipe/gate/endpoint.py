@@ -28,7 +28,7 @@ import numpy as np
 from specpipe.config import GateConfig
 from specpipe.errors import GateError, ServerError
 from specpipe.gate.report import CheckResult
-from specpipe.gate.subjects import RequestTiming, Subject, TimedRun, run_concurrently
+from specpipe.gate.subjects import RequestTiming, Subject, answers_after_bad_requests, run_concurrently
 
 ROBUSTNESS = "robustness"
 # Alternatives per position asked of a reference endpoint for the distribution check, most first (vLLM's default
@@ -433,13 +433,8 @@ def check_robustness(subject: EndpointSubject, gate: GateConfig, tick) -> CheckR
         elif not message:
             failures.append(f"{name}: refused ({status}) without a message")
         tick(1)
-    try:
-        still_serving = bool(subject.client.complete(gate.prompts[0], max_tokens=8, temperature=0.0).text)
-        if not still_serving:
-            failures.append("after the bad requests, a good request got an empty answer")
-    except ServerError as err:
-        still_serving = False
-        failures.append(f"after the bad requests, a good request failed: {err}")
+    still_serving = answers_after_bad_requests(
+        lambda: subject.client.complete(gate.prompts[0], max_tokens=8, temperature=0.0).text, failures)
     tick(1)
     summary = (f"{sum(m is not None for m in refused.values())}/{len(refused)} bad requests refused with a 4xx and a message;"
                f" endpoint {'still answers' if still_serving else 'does NOT answer'} afterwards")

@@ -8,7 +8,6 @@ decodes exactly as the in-process one with the same seed; seeds are per request.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -16,7 +15,7 @@ import numpy as np
 from specpipe.config import GenerationConfig, GateConfig
 from specpipe.errors import GateError, ServerError
 from specpipe.gate.report import CheckResult
-from specpipe.gate.subjects import RequestTiming, Subject, Tick, TimedRun
+from specpipe.gate.subjects import RequestTiming, Subject, Tick, TimedRun, answers_after_bad_requests
 
 ROBUSTNESS = "robustness"
 
@@ -155,14 +154,8 @@ def check_robustness(subject: Optional[ServerSubject], gate: GateConfig, tick: T
             if not message:
                 failures.append(f"{name}: refused without a message")
         tick(1)
-    try:
-        answer = subject.greedy_ids(gate.prompts[0], 8, gate.num_draft_tokens)
-        still_serving = bool(answer)
-        if not still_serving:
-            failures.append("after the bad requests, a good request got an empty answer")
-    except ServerError as err:
-        still_serving = False
-        failures.append(f"after the bad requests, a good request failed: {err}")
+    still_serving = answers_after_bad_requests(lambda: subject.greedy_ids(gate.prompts[0], 8, gate.num_draft_tokens),
+                                               failures)
     tick(1)
     metrics = {"refused": refused, "still_serving": still_serving}
     summary = (

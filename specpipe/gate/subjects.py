@@ -12,11 +12,12 @@ import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from specpipe.config import GenerationConfig, SamplingConfig
+from specpipe.errors import ServerError
 from specpipe.speculative.decoder import SpeculativeDecoder
 from specpipe.speculative.drafters import ModelDrafter
 from specpipe.speculative.stats import SpecStats
@@ -175,3 +176,15 @@ class InProcessSubject(Subject):
             )
 
         return run_concurrently(one, concurrency, requests, warmup, tick)
+
+
+def answers_after_bad_requests(good_request: Callable[[], Any], failures: list[str]) -> bool:
+    """The robustness check's last step, on a server or an endpoint: a good request after the bad ones must still get
+    a non-empty answer (`good_request` returns it); a failure is added to `failures`."""
+    try:
+        if good_request():
+            return True
+        failures.append("after the bad requests, a good request got an empty answer")
+    except ServerError as err:
+        failures.append(f"after the bad requests, a good request failed: {err}")
+    return False
