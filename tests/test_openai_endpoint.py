@@ -293,3 +293,30 @@ def test_an_unreachable_endpoint_is_one_clear_error(tmp_path, capsys):
                               f"http://127.0.0.1:{port}/v1", "--report-dir", tmp_path / "r", "--quiet")
     assert code == 2 and f"no answer from http://127.0.0.1:{port}/v1" in one_line_error(err)
     assert not (tmp_path / "r").exists()  # nothing half-written
+
+
+def test_a_connection_the_server_closes_is_announced(served):
+    """A refusal and a stream close their connection afterwards; each says so (`Connection: close`), so a client
+    that keeps connections opens a new one for its next request instead of sending it into a closing socket
+    (seen under load: "Server disconnected without sending a response"). A keep-alive answer does not say it."""
+    import http.client
+    from urllib.parse import urlparse
+
+    url, _ = served
+    where = urlparse(url)
+
+    def ask(body: dict) -> tuple[int, str | None]:
+        connection = http.client.HTTPConnection(where.hostname, where.port, timeout=300)
+        try:
+            connection.request("POST", where.path + "/completions", body=json.dumps(body),
+                               headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            response.read()
+            return response.status, response.getheader("Connection")
+        finally:
+            connection.close()
+
+    assert ask({"model": MODEL, "prompt": "x", "max_tokens": -1}) == (400, "close")
+    assert ask({"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True}) == (200, "close")
+    status, header = ask({"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert status == 200 and header != "close"

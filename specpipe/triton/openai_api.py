@@ -263,6 +263,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:  # say so: a client that keeps the connection would send its next request into a
+            self.send_header("Connection", "close")  # socket this server is closing ("Server disconnected")
         self.end_headers()
         self.wfile.write(data)
 
@@ -339,6 +341,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Connection", "close")  # closed after the stream (below): the client must not reuse it
         self.end_headers()
         kind = "chat.completion.chunk" if chat else "text_completion"
 
