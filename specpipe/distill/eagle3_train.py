@@ -8,7 +8,7 @@ same candidate-set loss as the model draft (train.distill_loss). See distill/eag
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -83,21 +83,6 @@ class HeadTrainer(Trainer):
                 if step == 0:
                     agreement = step_agreement
         return total, agreement, int(valid.sum())
-
-    def probe(self, dtype: str, tokens: int = 128) -> Callable[[], int]:
-        generator_state = self.generator.get_state()
-        cut = max(8, tokens // 2)
-        batch = [TeacherSequence(s.token_ids[:cut], s.top_ids[: cut - 1], s.top_logprobs[: cut - 1],
-                                 min(s.prompt_len, cut - 1), s.kind, s.features[: cut - 1]) for s in self.sequences[:2]]
-
-        def call() -> int:
-            loss, _, used = self._loss(batch, dtype)
-            loss.backward()
-            self.student.zero_grad(set_to_none=True)
-            self.generator.set_state(generator_state)
-            return used
-
-        return call
 
     def _evaluate(self) -> None:
         scores = head_agreement(self.student, self.held_out, steps=self.steps)

@@ -39,6 +39,12 @@ class TeacherSequence:
     # each feature layer, concatenated ([T-1, len(layers) * hidden] float16; export/features.py). None otherwise.
     features: Optional[torch.Tensor] = None
 
+    def cut(self, tokens: int) -> "TeacherSequence":
+        """The first `tokens` tokens, with their distributions (and features) for the tokens after each."""
+        return TeacherSequence(self.token_ids[:tokens], self.top_ids[: tokens - 1], self.top_logprobs[: tokens - 1],
+                               min(self.prompt_len, tokens - 1), self.kind,
+                               None if self.features is None else self.features[: tokens - 1])
+
     def __len__(self) -> int:
         return int(self.token_ids.numel())
 

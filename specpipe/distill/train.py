@@ -216,8 +216,7 @@ class Trainer:
         precision.compare; it leaves the weights, the optimizer and the batch order untouched."""
         generator_state = self.generator.get_state()
         cut = max(8, tokens // 2)
-        batch = [TeacherSequence(s.token_ids[:cut], s.top_ids[: cut - 1], s.top_logprobs[: cut - 1],
-                                 min(s.prompt_len, cut - 1), s.kind) for s in self.sequences[:2]]
+        batch = [s.cut(cut) for s in self.sequences[:2]]
 
         def call() -> int:
             loss, _, used = self._loss(batch, dtype)
