@@ -40,8 +40,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     from specpipe.checkpoint.draft_vocab import count_tokens, top_token_ids
     from specpipe.distill.eagle3 import make_head
     from specpipe.distill.eagle3_train import HeadTrainer
-    from specpipe.distill.precision import choose_precision
-    from specpipe.distill.run import STATE_DIR, DistillResult, _eos_ids, _teacher_data, open_target
+    from specpipe.distill.run import STATE_DIR, DistillResult, _eos_ids, _teacher_data, open_target, set_train_precision
     from specpipe.export.features import check_layers, default_layers
     from specpipe.machine import describe_machine
 
@@ -71,10 +70,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     trainer = HeadTrainer(head, train_set, steps=cfg.ttt_steps, decay=cfg.ttt_decay, budget_s=train_budget_s, lr=cfg.lr,
                           batch_tokens=cfg.batch_tokens, negatives=cfg.negatives, seed=cfg.seed, state_path=state_path,
                           checkpoint_every=cfg.checkpoint_every, budget_tokens=cfg.train_tokens, held_out=held_out)
-    choice = choose_precision("train", cfg.train_dtype, device, trainer.probe, options=["float32", "bfloat16"])
-    precision["train"] = choice
-    trainer.dtype = choice.dtype
-    progress.log(f"precision {choice.describe()}")
+    choice = set_train_precision(cfg, device, trainer, precision, progress)
     if cfg.resume:
         trainer.load()
     total = cfg.train_tokens or train_budget_s

@@ -230,6 +230,18 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
     return sequences
 
 
+def set_train_precision(cfg: DistillConfig, device, trainer, precision: dict, progress: DistillProgress):
+    """Choose the trainer's dtype (cfg.train_dtype, or measured with its probe), record it in `precision`, say it.
+    fp16 training would need loss scaling: the candidates are fp32 and bf16 on any device."""
+    from specpipe.distill.precision import choose_precision
+
+    choice = choose_precision("train", cfg.train_dtype, device, trainer.probe, options=["float32", "bfloat16"])
+    precision["train"] = choice
+    trainer.dtype = choice.dtype
+    progress.log(f"precision {choice.describe()}")
+    return choice
+
+
 def open_target(cfg: DistillConfig):
     """What both kinds start from: OUT checked, the device and threads set, the target resolved and loaded.
     Returns (out, device, target, tokenizer, model)."""
@@ -256,7 +268,6 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
     from specpipe.distill.student import draft_cost_ratio, make_student
     from specpipe.distill.train import Trainer
 
-    from specpipe.distill.precision import choose_precision
     from specpipe.distill.verdict import measure_costs, verdict, verdict_line
     from specpipe.machine import describe_machine
 
@@ -281,11 +292,7 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
     trainer = Trainer(student, train_set, budget_s=train_budget_s, lr=cfg.lr, batch_tokens=cfg.batch_tokens,
                       negatives=cfg.negatives, seed=cfg.seed, state_path=state_path,
                       checkpoint_every=cfg.checkpoint_every, budget_tokens=cfg.train_tokens, held_out=held_out)
-    # fp16 training would need loss scaling: the training candidates are fp32 and bf16 on any device.
-    choice = choose_precision("train", cfg.train_dtype, device, trainer.probe, options=["float32", "bfloat16"])
-    precision["train"] = choice
-    trainer.dtype = choice.dtype
-    progress.log(f"precision {choice.describe()}")
+    choice = set_train_precision(cfg, device, trainer, precision, progress)
     if cfg.resume:
         trainer.load()
         progress.log(f"resumed at step {trainer.state.step} ({trainer.state.elapsed_s:.0f} s of {train_budget_s:.0f} s)")
