@@ -96,7 +96,7 @@ class BuildConfig(Strict):
 
     `draft` lists candidates. One is built and deployed as asked. Several are each built and measured
     against the target alone, and the fastest is deployed, or none when no draft beats the target alone
-    by `choice.min_speedup` (specpipe/build/draft_choice.py).
+    by `choice.min_speedup` (specpipe/builder/draft_choice.py).
     """
 
     target: str
@@ -568,7 +568,7 @@ class NgramConfig(Strict):
 
 QuantMode = Literal["none", "int8-wo", "int4-wo", "int8", "fp8"]  # how an engine is quantized
 # --quant may also be `auto`: the build quantizes the target as each of AUTO_QUANT_CANDIDATES in turn and
-# keeps the first within its accuracy budget, else the unquantized engine (build/cpu.py `_auto_quant`).
+# keeps the first within its accuracy budget, else the unquantized engine (builder/cpu.py `_auto_quant`).
 QuantChoice = Literal["none", "int8-wo", "int4-wo", "int8", "fp8", "auto"]
 AUTO_QUANT_CANDIDATES = ("int4-wo", "int8-wo")  # fastest first on CPU (MatMulNBits reads 4, then 8 bits a weight)
 KvCacheDtype = Literal["auto", "fp8", "int8"]
@@ -715,7 +715,7 @@ class TrtllmBackend(_GpuBackend):
     draft_len_schedule: Optional[dict[int, int]] = Field(
         None,
         description="llmapi flow: {batch size: draft length} for TensorRT-LLM's in-flight batching (0 = no speculation);"
-        " None = K below batch 4, halved at 4 and at each doubling after (specpipe.build.trtllm.default_draft_len_schedule)",
+        " None = K below batch 4, halved at 4 and at each doubling after (specpipe.builder.trtllm.default_draft_len_schedule)",
     )
 
 

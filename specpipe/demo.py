@@ -122,7 +122,7 @@ def build_engines(demo: Demo) -> str:
     """Build with two candidate drafts, the distilled model and prompt lookup, and deploy whichever the
     build measures fastest on this machine, or the target alone when neither beats it (build's
     `draft_choice`). Rebuilt only when the target, the draft's weights or the build settings changed."""
-    from specpipe.build import build
+    from specpipe.builder import build
     from specpipe.checkpoint import weights_sha256
     from specpipe.triton.repository import DEFAULT_MODEL_NAME
 

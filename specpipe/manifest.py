@@ -57,8 +57,8 @@ class EngineRecord(_Part):
     backend: Literal["onnxruntime", "tensorrt", "trtllm"] = "onnxruntime"
     quant: QuantMode = "none"
     graph: Literal["optimum", "genai", "hf", "trtllm-engine"] = Field(
-        "optimum", description="which exporter made it (build/cpu.py target_graph, draft_graph); TensorRT-LLM: the Hugging Face "
-        "folder its LLM API loads (hf) or a trtllm-build engine (build/trtllm_manifest.py)")
+        "optimum", description="which exporter made it (builder/cpu.py target_graph, draft_graph); TensorRT-LLM: the Hugging Face "
+        "folder its LLM API loads (hf) or a trtllm-build engine (builder/trtllm_manifest.py)")
     files: dict[str, str] = Field(default_factory=dict, description="file name -> sha256")
 
 
@@ -185,7 +185,7 @@ DraftEntry = Annotated[Union[ModelDraft, SelfDraft, NgramDraft, NoDraft], Field(
 
 
 class CandidateMeasurement(_Record):
-    """One --draft candidate (or "none", the target alone) as build/draft_choice.py measured it: greedy, adaptive
+    """One --draft candidate (or "none", the target alone) as builder/draft_choice.py measured it: greedy, adaptive
     K, every candidate and the target alone on the same prompts in one run; speedup over the target alone."""
 
     draft: str  # the --draft value

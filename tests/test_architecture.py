@@ -31,7 +31,7 @@ PACKAGE = Path(specpipe.__file__).parent
 #   gate          the validation gate: greedy, distribution, quantization and latency checks
 #   measure       bench (speed on prompt sets) and distill (train a draft): each runs a deployment; neither
 #                 knows the other
-#   build         `specpipe build` for every backend: plan, run, choose a draft (builds on all of the above,
+#   builder       `specpipe build` for every backend: plan, run, choose a draft (builds on all of the above,
 #                 bench for draft choice, distill's record for a draft's known acceptance)
 #   commands      the click commands, and the demo that strings them together
 #   cli           the command group and `python -m specpipe`
@@ -46,7 +46,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("triton", ("specpipe.triton",)),
     ("gate", ("specpipe.gate",)),
     ("measure", ("specpipe.bench", "specpipe.distill")),
-    ("build", ("specpipe.build",)),
+    ("builder", ("specpipe.builder",)),
     ("commands", ("specpipe.commands", "specpipe.demo")),
     ("cli", ("specpipe.cli", "specpipe.__main__")),
 )
@@ -102,7 +102,7 @@ def stage_of(module: str) -> tuple[int, str]:
 
 
 def _unit(module: str) -> str:
-    """The folder or top-level module a module belongs to: specpipe.build.plan -> specpipe.gpu."""
+    """The folder or top-level module a module belongs to: specpipe.builder.plan -> specpipe.builder."""
     return ".".join(module.split(".")[:2])
 
 
@@ -180,7 +180,7 @@ def test_no_import_circles():
 
 def test_the_checks_catch_what_they_check():
     """A planted backward edge and a planted circle are reported (the checks can fail)."""
-    planted = {("specpipe.engines.tensorrt", "specpipe.build.plan"), ("specpipe.build.plan", "specpipe.engines.tensorrt")}
-    assert backward_imports(planted) == ["  specpipe.engines.tensorrt (engines) -> specpipe.build.plan (build)"]
+    planted = {("specpipe.engines.tensorrt", "specpipe.builder.plan"), ("specpipe.builder.plan", "specpipe.engines.tensorrt")}
+    assert backward_imports(planted) == ["  specpipe.engines.tensorrt (engines) -> specpipe.builder.plan (builder)"]
     assert circles({("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")}) == [["a", "b", "c"]]
     assert circles({("a", "b"), ("b", "c")}) == []

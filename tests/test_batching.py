@@ -27,7 +27,7 @@ from tests.test_decoding import CONTEXT, SAMPLED, chi_square_pvalue, first_two_t
 def batch_build(tiny_target, tiny_dir, tiny_tokenizer, tiny_engines_dir):
     """tiny_target with an unrelated 1-layer draft whose head_dim (16) the builder's GroupQueryAttention takes
     (tiny_draft's 8 it refuses): both engines are shared-KV, so the draft's steps batch too."""
-    from specpipe.build import build
+    from specpipe.builder import build
     from specpipe.config import BuildConfig
     from specpipe.testing.tiny import make_tiny_llama
 
@@ -81,7 +81,7 @@ def test_build_makes_a_llama_draft_a_shared_kv_engine_too(pair):
 def test_a_draft_the_builder_cannot_take_is_exported_with_optimum_and_says_why():
     from types import SimpleNamespace
 
-    from specpipe.build.cpu import draft_graph
+    from specpipe.builder.cpu import draft_graph
     from specpipe.config import BuildConfig
 
     cfg = BuildConfig(target="t", draft="d")

@@ -16,7 +16,7 @@ from specpipe.cli import main
 @pytest.fixture(scope="module")
 def engines(tiny_target, tiny_draft, tmp_path_factory):
     """Two deployments: target + unrelated random draft, and target + itself (acceptance must be 1)."""
-    from specpipe.build import build
+    from specpipe.builder import build
     from specpipe.config import BuildConfig
 
     root = tmp_path_factory.mktemp("bench-engines")

@@ -12,10 +12,10 @@ import shutil
 
 import pytest
 
-from specpipe.build import build
+from specpipe.builder import build
 from specpipe.config import BuildConfig, DraftChoiceConfig, GenerationConfig
 from specpipe.deployment import load_deployment
-from specpipe.build.draft_choice import choose
+from specpipe.builder.draft_choice import choose
 from specpipe.manifest import CandidateMeasurement, sha256_file
 from specpipe.speculative.adaptive import StepCosts, best_draft_length, expected_speedup, predicted_speedup
 from specpipe.speculative.drafters import ModelDrafter
@@ -131,7 +131,7 @@ def forced_builds(tiny_target, tiny_draft, tmp_path_factory):
     for forced in ("model", "none"):
         choice = str(tiny_draft) if forced == "model" else "none"
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("specpipe.build.draft_choice.choose", lambda measurements, min_speedup: (choice, "forced"))
+            patch.setattr("specpipe.builder.draft_choice.choose", lambda measurements, min_speedup: (choice, "forced"))
             folders[forced] = build(BuildConfig(
                 target=str(tiny_target), draft=["ngram", str(tiny_draft)], name=forced, engines_dir=root,
                 repo_dir=root / f"repo-{forced}", choice=SMALL_SAMPLE))

@@ -12,7 +12,7 @@ from tests.test_cli_core import assert_one_line_error, run_cli
 
 @pytest.fixture(scope="module")
 def quant_build(tiny_target, tiny_draft, tmp_path_factory):
-    from specpipe.build import build
+    from specpipe.builder import build
     from specpipe.config import BuildConfig, QuantConfig
 
     return build(BuildConfig(target=str(tiny_target), draft=str(tiny_draft), name="q",

@@ -86,7 +86,7 @@ def test_distill_writes_a_checkpoint_that_shares_the_tokenizer(distilled, tiny_t
 
 
 def test_distilled_draft_builds_and_decodes_like_the_target(distilled, tiny_target, tmp_path):
-    from specpipe.build import build
+    from specpipe.builder import build
     from specpipe.config import BuildConfig
     from specpipe.deployment import load_deployment
 

@@ -32,7 +32,7 @@ def ranked_draft(tiny_target, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def sliced_build(tiny_target, ranked_draft, tiny_engines_dir) -> Path:
-    from specpipe.build import build
+    from specpipe.builder import build
     from specpipe.config import BuildConfig
 
     return build(BuildConfig(target=str(tiny_target), draft=str(ranked_draft), name="sliced", draft_vocab=KEEP,

@@ -25,8 +25,8 @@ def _tensorrt_llm():
 @pytest.fixture(scope="module")
 def written(tiny_target, tiny_draft, tmp_path_factory) -> dict:
     """The plan's files for the tiny pair, with the resolve step's links made by hand (no hub)."""
-    from specpipe.build import make_plan, write_plan_repository
-    from specpipe.build.plan import SERVE_CONFIG
+    from specpipe.builder import make_plan, write_plan_repository
+    from specpipe.builder.plan import SERVE_CONFIG
     from specpipe.config import BuildConfig, TrtllmBackend
 
     _tensorrt_llm()

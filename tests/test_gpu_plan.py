@@ -17,8 +17,8 @@ import yaml
 
 from specpipe.config import BuildConfig, make_config
 from specpipe.errors import IncompatiblePairError, UsageError
-from specpipe.build import GpuMemoryError, make_plan, render_plan, write_plan_repository
-from specpipe.build.memory import GB, kv_bytes_per_token
+from specpipe.builder import GpuMemoryError, make_plan, render_plan, write_plan_repository
+from specpipe.builder.memory import GB, kv_bytes_per_token
 from specpipe.checkpoint.facts import resolve_shape, shape_from_config
 from specpipe.engines.tensorrt_build import optimization_profiles, select_profile
 from specpipe.triton.model_config import parse_config, read_config
@@ -451,7 +451,7 @@ def test_defect7_tensorrt_int8_plan_asks_for_symmetric_activations(tmp_path, smo
 
 
 def test_default_draft_len_schedule_shortens_drafts_as_the_batch_grows():
-    from specpipe.build.trtllm import check_draft_len_schedule, default_draft_len_schedule
+    from specpipe.builder.trtllm import check_draft_len_schedule, default_draft_len_schedule
 
     assert default_draft_len_schedule(8, 8) == {1: 8, 4: 4, 8: 2}
     assert default_draft_len_schedule(4, 64) == {1: 4, 4: 2, 8: 1, 16: 0}
@@ -550,7 +550,7 @@ def test_tensorrt_plan_exports_each_model_once_and_runs_no_cpu_build(tmp_path, s
     written for its engines (issue 15: the plan ran the whole CPU build, exports included, first)."""
     plan = make_plan(_cfg(tmp_path, backend="tensorrt", target="smollm2-135m", draft=str(smollm2_draft)))
     assert [s.role for s in plan.steps if s.kind == "export"] == ["target", "draft"]
-    assert not [s for s in plan.steps if (s.call or "").startswith("specpipe.build")]
+    assert not [s for s in plan.steps if (s.call or "").startswith("specpipe.builder")]
     export = _step(plan, "draft.export")
     assert export.kwargs["checkpoint"] == str(tmp_path / "engines" / plan.name / "hf" / "draft")  # the resolved folder
     manifest, repository = _step(plan, "manifest"), _step(plan, "repository")

@@ -111,7 +111,7 @@ def test_gate_greedy_check_passes_on_tensorrt_engines(tiny_target, tiny_draft, b
     """A CPU deployment whose manifest points at the TensorRT engines passes the gate's greedy check."""
     import shutil
 
-    from specpipe.build import build
+    from specpipe.builder import build
     from specpipe.config import BuildConfig, GateConfig
     from specpipe.deployment import load_deployment
     from specpipe.gate.greedy import check_greedy

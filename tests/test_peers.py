@@ -46,7 +46,7 @@ def test_a_missing_peer_is_one_note_line(monkeypatch):
 def test_missing_peers_leave_the_bench_running(tiny_target, tmp_path, capsys, monkeypatch):
     """A bench asking for a peer that is not installed prints its rows and a note, and exits 0."""
     from specpipe.bench import peers
-    from specpipe.build import build
+    from specpipe.builder import build
     from specpipe.config import BuildConfig
 
     for name in ("openvino", "ortgenai", "llamacpp"):
@@ -129,7 +129,7 @@ def test_eos_conventions():
 def peer_engine(tiny_target, tiny_tokenizer, tmp_path_factory):
     """target + a 1-layer draft with head size 16 (onnxruntime-genai's GroupQueryAttention needs a multiple of 16),
     both built from f32 GGUFs so llama.cpp runs the same weights."""
-    from specpipe.build import build
+    from specpipe.builder import build
     from specpipe.config import BuildConfig
     from specpipe.testing.tiny import make_tiny_llama
     from tests.test_gguf import write_llama_gguf

@@ -78,7 +78,7 @@ def _planted_accuracy(over_budget: set[str]):
 
 def test_auto_builds_keep_the_first_candidate_within_budget(monkeypatch, tiny_target, tmp_path):
     """int4-wo planted over budget, int8-wo within: the build deploys int8-wo and records both."""
-    from specpipe.build import build
+    from specpipe.builder import build
 
     assert AUTO_QUANT_CANDIDATES[:2] == ("int4-wo", "int8-wo")
     monkeypatch.setattr("specpipe.quantize.accuracy.measure_accuracy", _planted_accuracy({"int4-wo"}))
@@ -100,7 +100,7 @@ def test_auto_falls_back_to_the_unquantized_engine(monkeypatch, genai_fp32, tiny
     """Every candidate planted over budget: the unquantized engine takes the target's place, and the record says so."""
     import shutil
 
-    from specpipe.build.cpu import _auto_quant
+    from specpipe.builder.cpu import _auto_quant
 
     reference = tmp_path / "target-fp32"
     shutil.copytree(genai_fp32, reference)

@@ -35,7 +35,7 @@ QUANT_MODES = ["int8-wo", "int4-wo", "int8", "fp8"]
 
 
 def _engine_from_checkpoint(checkpoint: Path, out: Path) -> Path:
-    """Export + ORT-optimize + engine.json, as specpipe.build does for an unquantized engine."""
+    """Export + ORT-optimize + engine.json, as specpipe.builder does for an unquantized engine."""
     from specpipe.checkpoint import inspect_checkpoint
     from specpipe.engines.onnxruntime import optimize_for_cpu, write_engine_meta
     from specpipe.export.onnx import export_onnx

@@ -24,7 +24,7 @@ MODES = ["none", "int8-wo", "int4-wo", "int8"]
 def engines(tiny_target, tmp_path_factory):
     """The tiny target's fp32 engine (optimum's graph, whose 1-token steps can be padded) quantized in every
     mode (int8 W8A8 calibrated on random ids)."""
-    from specpipe.build import build
+    from specpipe.builder import build
     from specpipe.config import BuildConfig
     from specpipe.quantize.pipeline import quantize_onnx
 
@@ -59,7 +59,7 @@ def test_padding_drops_the_extra_row_from_logits_and_cache(engines):
 
 @pytest.fixture(scope="module", params=["int8-wo", "int4-wo"])
 def quantized_target_build(request, tiny_target, tiny_draft, tmp_path_factory):
-    from specpipe.build import build
+    from specpipe.builder import build
     from specpipe.config import BuildConfig
 
     return build(BuildConfig(target=str(tiny_target), draft=str(tiny_draft), name=f"t-{request.param}",

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import specpipe
-from specpipe.build import build
+from specpipe.builder import build
 from specpipe.config import BuildConfig, GenerationConfig, SamplingConfig
 from specpipe.deployment import load_deployment
 from specpipe.errors import ServerError

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from specpipe.build import make_plan
-from specpipe.build.run import _manifest
-from specpipe.build.trtllm_manifest import AT_BUILD
+from specpipe.builder import make_plan
+from specpipe.builder.run import _manifest
+from specpipe.builder.trtllm_manifest import AT_BUILD
 from specpipe.errors import EngineError
 from specpipe.manifest import MANIFEST, Manifest, ModelDraft, NgramDraft, read_manifest
 from tests.test_gpu_plan import _cfg, _engine_cfg

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from specpipe.build import make_plan, write_plan_repository
+from specpipe.builder import make_plan, write_plan_repository
 from specpipe.config import BuildConfig, make_config
 from specpipe.engines import upstream
 from specpipe.errors import UsageError
@@ -138,7 +138,7 @@ def test_upstream_schedule_gives_the_planned_draft_length_at_every_batch():
     """Read the emitted schedule as utils.py get_draft_len_for_batch_size does (first key >= batch, else 0)."""
     from bisect import bisect_left
 
-    from specpipe.build.trtllm import default_draft_len_schedule, upstream_draft_len_schedule
+    from specpipe.builder.trtllm import default_draft_len_schedule, upstream_draft_len_schedule
 
     for k, max_batch in ((8, 8), (4, 64), (8, 256), (5, 2)):
         plan = default_draft_len_schedule(k, max_batch)

@@ -13,8 +13,7 @@ from specpipe.bench.peers.common import PRECISION_OF_QUANT
 from specpipe.bench.peers.compare import add_vs_specpipe, check_against_own, own_baseline_label, peer_best
 from specpipe.bench.prompts import load_prompt_sets
 from specpipe.config import BenchConfig
-from specpipe.engines.timing import step_ms
-from specpipe.speculative.adaptive import measure_batch_costs
+from specpipe.engines.timing import batch_step_ms, step_ms
 from specpipe.errors import UsageError
 from specpipe.speculative.ngram import copy_ceiling
 
@@ -162,5 +161,5 @@ def _step_costs(deployment) -> dict:
     out["verify_k4_vs_decode"] = out["target_verify_k4"] / out["target_decode"]
     # One-token steps of 16 requests in one call (continuous batching; an engine without batched calls runs them
     # one by one): what serving many users costs per step.
-    out["target_batch16_decode"] = measure_batch_costs(deployment.target, 16, repeats=3).decode(16)
+    out["target_batch16_decode"] = batch_step_ms(deployment.target, 16, repeats=3)
     return out

@@ -120,7 +120,7 @@ def build(as_json: bool, no_repo: bool, backend: str, **options) -> None:
       specpipe build --target smollm2-135m --draft path/to/draft
       specpipe build --target smollm2-135m --draft path/to/draft --draft ngram --draft self:int4-wo
     """
-    from specpipe.build import build as build_pair
+    from specpipe.builder import build as build_pair
     from specpipe.manifest import read_manifest
 
     cfg = _config(backend, no_repo, options)
@@ -139,7 +139,7 @@ def build(as_json: bool, no_repo: bool, backend: str, **options) -> None:
 
 def _gpu_build(cfg: BuildConfig, as_json: bool) -> None:
     """Plan; print it and write the repository (--dry-run), or run it where CUDA and the packages are."""
-    from specpipe.build import make_plan, render_plan, run_plan, write_plan_repository
+    from specpipe.builder import make_plan, render_plan, run_plan, write_plan_repository
 
     plan = make_plan(cfg)
     if cfg.backend.dry_run:

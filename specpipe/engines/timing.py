@@ -1,4 +1,4 @@
-"""How long one engine call takes: what adaptive K's step costs (speculative/adaptive.py) and the
+"""How long one engine call takes: what the build's step and batch costs (builder/measure.py) and the
 benchmarks' engine rows are measured with."""
 
 from __future__ import annotations
@@ -21,4 +21,25 @@ def step_ms(engine, new_tokens: int, *, context_len: int = 64, repeats: int = 20
         seq.append(token)
         seconds.append(time.perf_counter() - t0)
         seq.truncate(context_len)
+    return statistics.median(seconds) * 1e3
+
+
+def batch_step_ms(engine, rows: int, *, context_len: int = 64, repeats: int = 5) -> float:
+    """Median ms of one batched call appending one token to each of `rows` rows, each holding a
+    `context_len`-token cache. An engine without batched calls runs its rows one by one."""
+    vocab = engine.vocab_size
+    context = [(7 * i + 3) % vocab for i in range(context_len)]
+    batch = engine.new_batch(rows)
+    sequences = [batch.new_sequence() for _ in range(rows)]
+    for sequence in sequences:
+        sequence.append(context)
+    tokens = [11 % vocab] * rows
+    batch.decode(sequences, tokens)  # warm-up
+    seconds = []
+    for _ in range(repeats):
+        for sequence in sequences:
+            sequence.truncate(context_len)
+        t0 = time.perf_counter()
+        batch.decode(sequences, tokens)
+        seconds.append(time.perf_counter() - t0)
     return statistics.median(seconds) * 1e3

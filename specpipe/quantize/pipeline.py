@@ -195,7 +195,7 @@ def quantize_engine(
 
     check_kv_cache_dtype(cfg)
     if cfg.mode == "auto":
-        raise UsageError("--quant auto is a build's choice among modes (build/cpu.py); quantize one mode at a time")
+        raise UsageError("--quant auto is a build's choice among modes (builder/cpu.py); quantize one mode at a time")
     calib = calibration_batches(tokenizer, cfg) if cfg.needs_calibration else None
     if checkpoint is not None and cfg.mode != "none":
         result = quantize_with_builder(checkpoint, src_dir, dst_dir, cfg)

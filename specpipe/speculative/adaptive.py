@@ -10,7 +10,7 @@ speedup of the next step (Leviathan et al. 2023, section 3.5: the improvement fa
     b: the extra cost of each verified token relative to one target step (the paper takes b = 0, a
        GPU verifying K tokens as fast as one; on a CPU a 5-token verification costs ~1.13 steps).
 
-c and b are measured on the built engines (`measure_step_costs`, stored in the manifest), so the same
+c and b are measured on the built engines (builder/measure.py, stored in the manifest), so the same
 rule drafts long when drafts are free and usually right (prompt lookup while the answer copies its input)
 and short when the draft is costly or usually wrong. On top of that a model draft stops early when it is
 unsure (transformers' `assistant_confidence_threshold`, llama.cpp's `p_min`): see `ModelDraftSession`,
@@ -152,19 +152,6 @@ def draft_length_policy(cfg: GenerationConfig, costs: StepCosts) -> DraftLengthP
     return ExpectedSpeedupDraftLength(costs, start=cfg.num_draft_tokens, max_len=cfg.max_draft_tokens)
 
 
-def measure_step_costs(target, draft=None, *, verify_tokens: int = 8) -> StepCosts:
-    """Time the engines alone on a 64-token cache (medians): a target call on 1 and on 1 + verify_tokens
-    tokens, and a draft step. Prompt lookup (no draft engine) costs nothing."""
-    from specpipe.engines.timing import step_ms
-
-    one = step_ms(target, 1)
-    many = step_ms(target, 1 + verify_tokens)
-    return StepCosts(
-        draft=step_ms(draft, 1) / one if draft is not None else 0.0,
-        verify_per_token=max(many - one, 0.0) / verify_tokens / one,
-    )
-
-
 def draft_confidence_floor(cfg: GenerationConfig) -> float:
     """The top draft probability under which a model draft stops early; 0 (never stop) when K is fixed,
     so a fixed K drafts exactly K tokens (benchmarks sweep K)."""
@@ -269,33 +256,3 @@ def scheduled_draft_length(schedule: list[tuple[int, int]], batch_size: int) -> 
         if batch_size <= up_to:
             return k
     return 0
-
-
-def measure_batch_costs(target, max_rows: int, *, context_len: int = 64, repeats: int = 5) -> BatchCosts:
-    """Time batched one-token steps of the target (or of a draft: the manifest's draft_batch_costs) for 1, 2,
-    4, ... up to `max_rows` rows, each row holding a `context_len`-token cache (medians of `repeats`). An
-    engine without batched calls is timed too: its rows then cost n lone steps, which the planner reads as
-    "batching saves nothing"."""
-    import statistics
-    import time
-
-    sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_rows} | {max_rows})
-    decode_ms = {}
-    vocab = target.vocab_size
-    context = [(7 * i + 3) % vocab for i in range(context_len)]
-    for n in sizes:
-        batch = target.new_batch(n)
-        rows = [batch.new_sequence() for _ in range(n)]
-        for row in rows:
-            row.append(context)
-        tokens = [11 % vocab] * n
-        batch.decode(rows, tokens)  # warm-up
-        seconds = []
-        for _ in range(repeats):
-            for row in rows:
-                row.truncate(context_len)
-            t0 = time.perf_counter()
-            batch.decode(rows, tokens)
-            seconds.append(time.perf_counter() - t0)
-        decode_ms[n] = statistics.median(seconds) * 1e3
-    return BatchCosts(decode_ms)

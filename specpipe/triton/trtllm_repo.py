@@ -14,7 +14,7 @@ upstream code: a real build copies them from the pinned checkout, and `compare_w
 tensors here against that checkout's templates, so a renamed tensor fails the build instead of the server.
 
 The `llmapi` flow writes one model instead: Triton's LLM-API model (`tensorrt_llm`, Python backend) and
-its model.yaml (specpipe.build.trtllm.LlmApiModelYaml).
+its model.yaml (specpipe.builder.trtllm.LlmApiModelYaml).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specpipe.build.steps import Step
+from specpipe.builder.steps import Step
 from specpipe.checkpoint.eagle3 import is_eagle3_architecture, read_eagle3_head
 from specpipe.checkpoint.facts import ModelShape
 from specpipe.config import NgramConfig

@@ -1,6 +1,6 @@
 """`make_plan(cfg) -> Plan`: every step of a GPU build, every file it writes, and the memory it needs per GPU,
 decided before anything runs. `render_plan(plan)` prints it for a person; `plan.model_dump_json()` for
-scripts. The runner (specpipe/build/run.py) executes the same steps where CUDA and the packages exist.
+scripts. The runner (specpipe/builder/run.py) executes the same steps where CUDA and the packages exist.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from specpipe.build.memory import MemoryPlan, model_memory, place, valid_tp
-from specpipe.build.steps import Step
-from specpipe.build.trtllm import (
+from specpipe.builder.memory import MemoryPlan, model_memory, place, valid_tp
+from specpipe.builder.steps import Step
+from specpipe.builder.trtllm import (
     Limits,
     ModelJob,
     check_draft_len_schedule,
@@ -81,7 +81,7 @@ class Plan(_Frozen):
     memory: MemoryPlan
     serve: tuple[str, ...]
     notes: tuple[str, ...]
-    # TensorRT-LLM: the manifest the build writes last, as far as a dry run knows it (build/trtllm_manifest.py)
+    # TensorRT-LLM: the manifest the build writes last, as far as a dry run knows it (builder/trtllm_manifest.py)
     manifest: Optional[Manifest] = None
 
     @property
@@ -159,7 +159,7 @@ def make_plan(cfg: BuildConfig) -> Plan:
             steps.append(
                 Step(
                     id="serve_config", title="write trtllm-serve's LLM-API YAML (speculative_config, in-flight batching)",
-                    kind="serve_config", writes=(str(work / SERVE_CONFIG),), source="specpipe/build/trtllm.py LlmApiArgs",
+                    kind="serve_config", writes=(str(work / SERVE_CONFIG),), source="specpipe/builder/trtllm.py LlmApiArgs",
                 )  # fmt: skip
             )
             steps.append(
@@ -201,7 +201,7 @@ def make_plan(cfg: BuildConfig) -> Plan:
         steps.append(
             Step(
                 id="manifest", title="write the manifest (the CPU build's typed Manifest; hashes of what was built)",
-                kind="manifest", writes=(str(work / MANIFEST),), source="specpipe/build/trtllm_manifest.py",
+                kind="manifest", writes=(str(work / MANIFEST),), source="specpipe/builder/trtllm_manifest.py",
             )  # fmt: skip
         )
     steps.append(
@@ -217,7 +217,7 @@ def make_plan(cfg: BuildConfig) -> Plan:
         target=_planned(jobs[0], cfg, work), draft=_planned(jobs[1], cfg, work) if len(jobs) > 1 else None,
         steps=tuple(steps), repository=tuple(str(p) for p in repository), memory=memory, serve=serve, notes=tuple(notes),
     )  # fmt: skip
-    return plan  # a TensorRT-LLM plan gets its manifest in specpipe.build.make_plan (build/trtllm_manifest.py)
+    return plan  # a TensorRT-LLM plan gets its manifest in specpipe.builder.make_plan (builder/trtllm_manifest.py)
 
 
 def plan_memory(
@@ -374,7 +374,7 @@ def _kv_cache_dtypes(cfg: BuildConfig, notes: list) -> tuple[str, str]:
 
 
 def _llmapi_target_dir(job: ModelJob) -> Path:
-    from specpipe.build.trtllm import llmapi_model_dir
+    from specpipe.builder.trtllm import llmapi_model_dir
 
     return llmapi_model_dir(job)
 
@@ -519,7 +519,7 @@ def repository_models(cfg: BuildConfig, jobs: list[ModelJob], limits: Limits, wo
     if cfg.backend.kind != "trtllm":
         return []
     if _flow(cfg) == "llmapi":
-        from specpipe.build.trtllm import TritonSpec
+        from specpipe.builder.trtllm import TritonSpec
 
         triton = TritonSpec()  # the same object writes model.yaml's triton_config
         return trtllm_repo.llmapi_models(max_batch_size=triton.max_batch_size, decoupled=triton.decoupled)
@@ -595,7 +595,7 @@ def _draft_job(jobs: list[ModelJob]) -> Optional[ModelJob]:
 def _planned(job: ModelJob, cfg: BuildConfig, work: Path) -> PlannedModel:
     artifacts = job.engine_dir if cfg.backend.kind == "trtllm" else tensorrt_engine_dir(work, job.role)
     if _flow(cfg) == "llmapi":
-        from specpipe.build.trtllm import llmapi_model_dir
+        from specpipe.builder.trtllm import llmapi_model_dir
 
         artifacts = llmapi_model_dir(job)
     return PlannedModel(
@@ -665,7 +665,7 @@ def _render_manifest(manifest: Manifest) -> str:
 def _render_memory(memory: MemoryPlan) -> str:
     t, d = memory.target, memory.draft
     lines = [
-        "GPU memory (estimate, GB = 1e9 bytes; see specpipe/build/memory.py for the rules):",
+        "GPU memory (estimate, GB = 1e9 bytes; see specpipe/builder/memory.py for the rules):",
         f"  target weights {t.weights_total_gb:.1f} GB in all, {t.weights_gb:.2f} per rank x {t.tp}; KV {t.kv_bytes_per_token} B/token/rank x {t.kv_tokens} tokens",
     ]
     if d is not None:

@@ -13,8 +13,8 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Optional
 
-from specpipe.build.plan import PLAN_JSON, Plan, plan_jobs, tensorrt_engine_dir, write_plan_repository, write_serve_config
-from specpipe.build.steps import Step
+from specpipe.builder.plan import PLAN_JSON, Plan, plan_jobs, tensorrt_engine_dir, write_plan_repository, write_serve_config
+from specpipe.builder.steps import Step
 from specpipe.config import BuildConfig
 from specpipe.engines import upstream
 from specpipe.errors import EngineError, SpecpipeError
@@ -162,10 +162,10 @@ def _manifest(step, plan, cfg, work):
     from specpipe.checkpoint import inspect_checkpoint, load_tokenizer, tokenizer_hash, weights_sha256
     from specpipe.engines import load_engine
     from specpipe.manifest import EngineRecord, Manifest, ModelDraft, ModelEntry, TokenizerRecord, file_hashes, write_manifest
-    from specpipe.speculative.adaptive import measure_step_costs
+    from specpipe.builder.measure import measure_step_costs
 
     if plan.backend == "trtllm":  # served by TensorRT-LLM: nothing to time here, the artifacts hashed
-        from specpipe.build.trtllm_manifest import built_manifest
+        from specpipe.builder.trtllm_manifest import built_manifest
 
         write_manifest(work, built_manifest(plan, cfg))
         return
@@ -240,7 +240,7 @@ def _llm_args(step, plan, cfg, work):
     import yaml
     from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
 
-    from specpipe.build.trtllm import llmapi_model_dir
+    from specpipe.builder.trtllm import llmapi_model_dir
 
     target = plan_jobs(plan)[0]
     try:

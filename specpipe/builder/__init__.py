@@ -1,7 +1,9 @@
 """`specpipe build`: a draft/target pair -> engines/<name>/ and its Triton repository, for every backend.
 
     cpu.py           --backend onnxruntime: engines exported, checked and timed on this machine (the default)
-    draft_choice.py  several --draft candidates measured against the target alone; the fastest is deployed
+    measure.py       what a build measures on the engines it built: step and batch costs (adaptive K's inputs),
+                     the target's rows per call, several --draft candidates against the target alone
+    draft_choice.py  which candidate is deployed: the fastest, or none
     plan.py          the GPU backends (TensorRT, TensorRT-LLM): every step, file and GPU's memory, planned
                      first, so a plan can be read and tested on a machine without a GPU
     run.py           executes a plan's steps where CUDA and the packages are present
@@ -12,18 +14,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from specpipe.build.cpu import Progress, build_cpu
-from specpipe.build import plan as _plan
-from specpipe.build.plan import GpuMemoryError, Plan, render_plan, write_plan_repository
-from specpipe.build.run import run_plan
-from specpipe.build.trtllm_manifest import plan_manifest
+from specpipe.builder.cpu import Progress, build_cpu
+from specpipe.builder import plan as _plan
+from specpipe.builder.plan import GpuMemoryError, Plan, render_plan, write_plan_repository
+from specpipe.builder.run import run_plan
+from specpipe.builder.trtllm_manifest import plan_manifest
 from specpipe.config import BuildConfig
 
 __all__ = ["GpuMemoryError", "Plan", "build", "make_plan", "render_plan", "run_plan", "write_plan_repository"]
 
 
 def make_plan(cfg: BuildConfig) -> Plan:
-    """The GPU build's plan (build/plan.py); a TensorRT-LLM plan also holds the manifest its build writes last."""
+    """The GPU build's plan (builder/plan.py); a TensorRT-LLM plan also holds the manifest its build writes last."""
     plan = _plan.make_plan(cfg)
     if cfg.backend.kind == "trtllm":
         plan = plan.model_copy(update={"manifest": plan_manifest(plan, cfg)})

@@ -11,10 +11,10 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-# What a step needs on the machine that runs it (specpipe/build/run.py missing_requirements checks each key).
+# What a step needs on the machine that runs it (specpipe/builder/run.py missing_requirements checks each key).
 Need = Literal["cuda", "tensorrt", "tensorrt_llm", "trtllm-build", "trtllm-checkout", "modelopt", "modelopt-checkout", "hub"]
 
-# What a step does; the runner dispatches on it (specpipe/build/run.py). A command runs its argv as printed;
+# What a step does; the runner dispatches on it (specpipe/builder/run.py). A command runs its argv as printed;
 # the Python steps name the function they call; the last four write files of specpipe's own.
 StepKind = Literal[
     "command",

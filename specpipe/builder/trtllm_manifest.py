@@ -21,7 +21,7 @@ from specpipe.manifest import (SERVED_BY, EngineRecord, Manifest, ModelDraft, Mo
                                TokenizerRecord)
 
 if TYPE_CHECKING:
-    from specpipe.build.plan import Plan, PlannedModel
+    from specpipe.builder.plan import Plan, PlannedModel
     from specpipe.config import BuildConfig
 
 AT_BUILD = "(at build)"  # a value the dry run cannot know: computed from the resolved checkpoint by the real build
@@ -38,8 +38,8 @@ def serving_record(plan: "Plan", cfg: "BuildConfig") -> ServingRecord:
     """In-flight batching limits, and the draft length by batch size as the emitted speculative_config makes
     TensorRT-LLM run it, in specpipe's `batch:K` text ("up to batch b: K; above the last: 0"): Eagle3's
     draft_len_schedule, else K up to max_concurrency. The engine flow: K is chosen per request (None)."""
-    from specpipe.build.plan import _draft_job, _kv_fraction, draft_len_schedule, plan_jobs
-    from specpipe.build.trtllm import trtllm_serve_config
+    from specpipe.builder.plan import _draft_job, _kv_fraction, draft_len_schedule, plan_jobs
+    from specpipe.builder.trtllm import trtllm_serve_config
 
     schedule = None
     if plan.flow == "llmapi":

@@ -16,10 +16,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
+from specpipe.builder.measure import (
+    Candidate,
+    measure_batch_costs,
+    measure_built_draft_batch_costs,
+    measure_built_step_costs,
+    measure_candidates,
+    measure_step_costs,
+    measure_target_min_rows,
+)
 from specpipe.checkpoint.facts import CONTEXT_LENGTH_UNSAID
 from specpipe.config import MAX_SEQ_LEN, BuildConfig, draft_kind
 from specpipe.engines import load_engine
-from specpipe.engines.onnxruntime import TARGET_MIN_ROWS, optimize_for_cpu, write_engine_meta
+from specpipe.engines.onnxruntime import optimize_for_cpu, write_engine_meta
 from specpipe.engines.shared_kv import KV_LAYOUT
 from specpipe.errors import ExportError, OutputExistsError, UsageError
 from specpipe.export.ortgenai_builder import run_model_builder
@@ -27,7 +36,6 @@ from specpipe.export.onnx import check_export, export_onnx
 from specpipe.machine import describe_machine
 from specpipe.manifest import (
     ChoiceSample,
-    ConsistencyRecord,
     DraftChoice,
     DraftEntry,
     EngineRecord,
@@ -47,7 +55,7 @@ from specpipe.manifest import (
     file_hashes,
     write_manifest,
 )
-from specpipe.speculative.adaptive import BatchCosts, StepCosts, measure_batch_costs
+from specpipe.speculative.adaptive import StepCosts
 from specpipe.triton.repository import DEFAULT_MODEL_NAME, write_repository
 
 Progress = Callable[[str], None]
@@ -57,7 +65,7 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     """Build engines/<name>/ (and the Triton repository when cfg.repo_dir is set). Returns the folder.
 
     One --draft is built and deployed as given. Several are each built and measured against the target
-    alone, and the fastest is deployed, or none (specpipe/build/draft_choice.py); the others are not kept."""
+    alone, and the fastest is deployed, or none (specpipe/builder/draft_choice.py); the others are not kept."""
     from specpipe.checkpoint import check_pair, inspect_checkpoint, load_tokenizer, resolve_checkpoint, tokenizer_hash
 
     say = progress or (lambda msg: None)
@@ -93,7 +101,7 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         tokenizer.save_pretrained(str(stage / "tokenizer"))
         timings: dict[str, float] = {}
         target_entry = _build_engine(target, stage / "target", cfg, cfg.quant, tokenizer, say, timings, "target")
-        target_entry.verify_consistency, target_entry.min_rows_per_call = _target_min_rows(
+        target_entry.verify_consistency, target_entry.min_rows_per_call = measure_target_min_rows(
             stage / "target", target_entry.engine.quant, cfg, tokenizer, say, timings)
 
         def build_draft(spec: str, out: Path, spent: dict) -> DraftEntry:
@@ -108,12 +116,12 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         else:
             draft_entry = build_draft(cfg.draft[0], stage, timings)
             say("timing the engines for adaptive K")
-            costs = _measure_step_costs(stage, draft_entry, cfg, target_entry.min_rows_per_call)
+            costs = measure_built_step_costs(stage, draft_entry, cfg, target_entry.min_rows_per_call)
             warnings = _predict(cfg.draft[0], draft_entry, models.get(cfg.draft[0]), costs, cfg)
         say(f"timing batched target steps (up to {cfg.backend.max_batch_size} requests) for load-adaptive K")
         batch_costs = measure_batch_costs(load_engine(stage / "target", threads=cfg.backend.threads,
                                                       min_rows=target_entry.min_rows_per_call), cfg.backend.max_batch_size)
-        draft_batch_costs = _measure_draft_batch_costs(stage, draft_entry, cfg, say)
+        draft_batch_costs = measure_built_draft_batch_costs(stage, draft_entry, cfg, say)
         timings["total_s"] = time.perf_counter() - started
         write_manifest(stage, Manifest.new(
             name=name, build=json.loads(cfg.model_dump_json()), tokenizer=TokenizerRecord(path="tokenizer", hash=tokenizer_hash(tokenizer)),
@@ -174,9 +182,8 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
     """Build every candidate in stage/candidates/<i>, measure them all against the target alone, and move the
     chosen one's files into the stage; the others are removed with that folder.
     Returns (the chosen draft's manifest entry, its step costs, the manifest's `draft_choice`)."""
-    from specpipe.build import draft_choice
+    from specpipe.builder import draft_choice
     from specpipe.deployment import make_drafter
-    from specpipe.speculative.adaptive import measure_step_costs
 
     target = load_engine(stage / "target", threads=cfg.backend.threads, min_rows=target_min_rows)
     candidates, entries, folders = [], {}, {}
@@ -189,12 +196,12 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
         drafter = make_drafter(folders[spec], entries[spec], target, cfg.backend.threads)
         say(f"timing the engines of {spec} for adaptive K")
         costs = measure_step_costs(target, getattr(drafter, "engine", None))
-        candidates.append(draft_choice.Candidate(spec, kinds[spec], drafter, costs, source=entries[spec].source,
+        candidates.append(Candidate(spec, kinds[spec], drafter, costs, source=entries[spec].source,
                                                  weights_sha256=getattr(entries[spec], "weights_sha256", None),
                                                  build_timings_s=spent))
 
     started = time.perf_counter()
-    measurements = draft_choice.measure(target, candidates, tokenizer, eos_token_ids, cfg.choice,
+    measurements = measure_candidates(target, candidates, tokenizer, eos_token_ids, cfg.choice,
                                         max_draft_len=cfg.max_draft_len, progress=say)
     chosen, reason = draft_choice.choose(measurements, cfg.choice.min_speedup)
     say(f"chose {chosen}: {reason}")
@@ -207,7 +214,7 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
     del candidates, target  # the ONNX Runtime sessions, before their files move
     if chosen == draft_choice.NONE:
         entry = NoDraft(kind="none", source="none")
-        costs = _measure_step_costs(stage, entry, cfg, target_min_rows)
+        costs = measure_built_step_costs(stage, entry, cfg, target_min_rows)
     else:
         entry = entries[chosen]
         for path in folders[chosen].iterdir():
@@ -237,7 +244,7 @@ def _predict(spec: str, entry: DraftEntry, draft_ckpt, costs: StepCosts, cfg: Bu
     """A single model draft's predicted speedup (adaptive K's model with this machine's step costs), when an
     earlier measurement gives its acceptance: its distill record's held-out agreement, or a self-draft's
     top-1 agreement. Recorded in `entry`; a warning when below 1.0x (the draft makes decoding slower)."""
-    from specpipe.build.draft_choice import MODEL_KINDS, adaptive_ceiling
+    from specpipe.builder.draft_choice import MODEL_KINDS, adaptive_ceiling
     from specpipe.speculative.adaptive import predicted_speedup
 
     if entry.kind not in MODEL_KINDS:
@@ -466,68 +473,6 @@ def _build_self_draft(spec: str, stage: Path, out: Path, cfg: BuildConfig, token
         engine=EngineRecord(path="draft", backend="onnxruntime", quant=mode, files=file_hashes(out / "draft")),
         quant=QuantRecord(**quant, reference_path=reference),
     )  # fmt: skip
-
-
-# Prompts on which the build checks that the target is one function (a code and a prose continuation).
-CONSISTENCY_PROMPTS = ("def fibonacci(n):\n", "The capital of France is")
-
-
-def _target_min_rows(folder: Path, quant_mode: str, cfg: BuildConfig, tokenizer, say: Progress,
-                     timings: dict) -> tuple[ConsistencyRecord, int]:
-    """Whether the target scores a position alike in a 1-token decode and inside a verify call of K+1 = 5
-    tokens (engines/consistency.py), and the rows per call that make it so, measured on this machine.
-
-    ONNX Runtime's CPU kernels may run a 1-row MatMul/MatMulNBits through other code (engines/onnxruntime.py):
-    on an AVX2 CPU int8/int4 weight-only targets moved logits by up to 1.8 that way, fp32 by 7e-5. Unpadded
-    first; if twice the difference exceeds the near-tie tolerance, 1-token calls run as 2-row calls (~10%
-    slower target-only steps, measured) and are measured again. Returns (manifest record, min_rows)."""
-    from specpipe.engines.consistency import verify_consistency
-    from specpipe.speculative.equivalence import near_tie_tolerance
-
-    t0 = time.perf_counter()
-    say("checking the target scores a position alike alone and inside a verify call")
-    prompts = [ids for ids in (tokenizer(prompt)["input_ids"] for prompt in CONSISTENCY_PROMPTS) if ids]
-    tolerance = near_tie_tolerance(quant_mode)
-    unpadded = None
-    for min_rows in (1, TARGET_MIN_ROWS):
-        result = verify_consistency(load_engine(folder, threads=cfg.backend.threads, min_rows=min_rows), prompts, new_tokens=24,
-                                    chunk=5)
-        within = 2 * result.max_abs_logit_diff <= tolerance
-        if within:
-            break
-        unpadded = unpadded if unpadded is not None else result.max_abs_logit_diff
-    if not within:
-        say(f"warning: the {quant_mode} target's logits differ by up to {result.max_abs_logit_diff:.3g} between a"
-            f" 1-token decode and a verify call (near-tie tolerance {tolerance:g}): speculative greedy output may"
-            " differ from target-only output")
-    timings["target_consistency_s"] = time.perf_counter() - t0
-    record = ConsistencyRecord(**result.as_dict(), near_tie_tolerance=tolerance, within_tolerance=within)
-    if unpadded is not None:
-        record.unpadded_max_abs_logit_diff = unpadded
-    return record, min_rows
-
-
-def _measure_step_costs(stage: Path, draft_entry: DraftEntry, cfg: BuildConfig, target_min_rows: int = 1) -> StepCosts:
-    """Draft and verification costs relative to a target step, on these engines and this machine: adaptive
-    K's inputs (speculative/adaptive.py). Recorded once, so every process serving the build drafts alike.
-    A draft without an engine (prompt lookup, none) costs nothing."""
-    from specpipe.speculative.adaptive import measure_step_costs
-
-    target = load_engine(stage / "target", threads=cfg.backend.threads, min_rows=target_min_rows)
-    engine = getattr(draft_entry, "engine", None)  # prompt lookup and none have no engine
-    draft = load_engine(stage / engine.path, threads=cfg.backend.threads) if engine is not None else None
-    return measure_step_costs(target, draft)
-
-
-def _measure_draft_batch_costs(stage: Path, draft_entry: DraftEntry, cfg: BuildConfig, say: Progress) -> Optional[BatchCosts]:
-    """Batched one-token steps of the draft engine by rows (a shared-KV draft runs them in one call; another
-    draft's rows cost n lone steps): what the batch planner charges the speculating rows' drafts. None
-    without a draft engine (prompt lookup, none)."""
-    engine = getattr(draft_entry, "engine", None)
-    if engine is None:
-        return None
-    say(f"timing batched draft steps (up to {cfg.backend.max_batch_size} requests)")
-    return measure_batch_costs(load_engine(stage / engine.path, threads=cfg.backend.threads), cfg.backend.max_batch_size)
 
 
 def _link_or_copy(src: str, dst: str) -> None:

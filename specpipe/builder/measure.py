@@ -1,0 +1,184 @@
+"""What `specpipe build` measures on the engines it has just built, on this machine, for the manifest.
+
+    step costs         c and b of adaptive K (speculative/adaptive.py): a draft step and each verified token,
+                       relative to one target step
+    batch costs        batched one-token steps by rows, for the load-adaptive batch planner
+    target_min_rows    whether the target scores a position alike alone and inside a verify call, and the
+                       rows per call that make it so
+    candidates         several --draft candidates against the target alone (`measure_candidates`); which one
+                       is deployed is draft_choice.py's `choose`
+
+Candidate measurement: greedy, adaptive K with the step costs measured for each candidate at build, on the
+first few packaged bench prompts (chat template applied). The target alone runs in the same loop, each prompt
+through every row back to back (bench/harness.py `run_rows`), so load on a shared machine slows every row
+alike and the ratios hold. speedup = the candidate's median tokens/s / the target alone's, as in `bench`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from specpipe.bench.harness import SpecRow, run_rows, summarize
+from specpipe.bench.prompts import load_prompt_sets
+from specpipe.builder.draft_choice import MODEL_KINDS, NONE, adaptive_ceiling
+from specpipe.config import BuildConfig, DraftChoiceConfig, DraftKind
+from specpipe.deployment import bounded_generation_config
+from specpipe.engines import load_engine
+from specpipe.engines.base import Engine
+from specpipe.engines.onnxruntime import TARGET_MIN_ROWS
+from specpipe.engines.timing import batch_step_ms, step_ms
+from specpipe.manifest import CandidateMeasurement, ConsistencyRecord, DraftEntry
+from specpipe.speculative.adaptive import BatchCosts, StepCosts, predicted_speedup
+from specpipe.speculative.drafters import Drafter
+from specpipe.speculative.generator import SpecGenerator
+
+def measure_step_costs(target, draft=None, *, verify_tokens: int = 8) -> StepCosts:
+    """Time the engines alone on a 64-token cache (medians): a target call on 1 and on 1 + verify_tokens
+    tokens, and a draft step. Prompt lookup (no draft engine) costs nothing."""
+    one = step_ms(target, 1)
+    many = step_ms(target, 1 + verify_tokens)
+    return StepCosts(
+        draft=step_ms(draft, 1) / one if draft is not None else 0.0,
+        verify_per_token=max(many - one, 0.0) / verify_tokens / one,
+    )
+
+
+def measure_batch_costs(target, max_rows: int, *, context_len: int = 64, repeats: int = 5) -> BatchCosts:
+    """Time batched one-token steps of the target (or of a draft: the manifest's draft_batch_costs) for 1, 2,
+    4, ... up to `max_rows` rows, each row holding a `context_len`-token cache (medians of `repeats`). An
+    engine without batched calls is timed too: its rows then cost n lone steps, which the planner reads as
+    "batching saves nothing"."""
+    sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_rows} | {max_rows})
+    return BatchCosts({n: batch_step_ms(target, n, context_len=context_len, repeats=repeats) for n in sizes})
+
+
+# Prompts on which the build checks that the target is one function (a code and a prose continuation).
+CONSISTENCY_PROMPTS = ("def fibonacci(n):\n", "The capital of France is")
+
+
+def measure_target_min_rows(folder: Path, quant_mode: str, cfg: BuildConfig, tokenizer, say: Callable[[str], None],
+                            timings: dict) -> tuple[ConsistencyRecord, int]:
+    """Whether the target scores a position alike in a 1-token decode and inside a verify call of K+1 = 5
+    tokens (engines/consistency.py), and the rows per call that make it so, measured on this machine.
+
+    ONNX Runtime's CPU kernels may run a 1-row MatMul/MatMulNBits through other code (engines/onnxruntime.py):
+    on an AVX2 CPU int8/int4 weight-only targets moved logits by up to 1.8 that way, fp32 by 7e-5. Unpadded
+    first; if twice the difference exceeds the near-tie tolerance, 1-token calls run as 2-row calls (~10%
+    slower target-only steps, measured) and are measured again. Returns (manifest record, min_rows)."""
+    from specpipe.engines.consistency import verify_consistency
+    from specpipe.speculative.equivalence import near_tie_tolerance
+
+    t0 = time.perf_counter()
+    say("checking the target scores a position alike alone and inside a verify call")
+    prompts = [ids for ids in (tokenizer(prompt)["input_ids"] for prompt in CONSISTENCY_PROMPTS) if ids]
+    tolerance = near_tie_tolerance(quant_mode)
+    unpadded = None
+    for min_rows in (1, TARGET_MIN_ROWS):
+        result = verify_consistency(load_engine(folder, threads=cfg.backend.threads, min_rows=min_rows), prompts, new_tokens=24,
+                                    chunk=5)
+        within = 2 * result.max_abs_logit_diff <= tolerance
+        if within:
+            break
+        unpadded = unpadded if unpadded is not None else result.max_abs_logit_diff
+    if not within:
+        say(f"warning: the {quant_mode} target's logits differ by up to {result.max_abs_logit_diff:.3g} between a"
+            f" 1-token decode and a verify call (near-tie tolerance {tolerance:g}): speculative greedy output may"
+            " differ from target-only output")
+    timings["target_consistency_s"] = time.perf_counter() - t0
+    record = ConsistencyRecord(**result.as_dict(), near_tie_tolerance=tolerance, within_tolerance=within)
+    if unpadded is not None:
+        record.unpadded_max_abs_logit_diff = unpadded
+    return record, min_rows
+
+
+def measure_built_step_costs(stage: Path, draft_entry: DraftEntry, cfg: BuildConfig, target_min_rows: int = 1) -> StepCosts:
+    """Draft and verification costs relative to a target step, on these engines and this machine: adaptive
+    K's inputs (speculative/adaptive.py). Recorded once, so every process serving the build drafts alike.
+    A draft without an engine (prompt lookup, none) costs nothing."""
+    target = load_engine(stage / "target", threads=cfg.backend.threads, min_rows=target_min_rows)
+    engine = getattr(draft_entry, "engine", None)  # prompt lookup and none have no engine
+    draft = load_engine(stage / engine.path, threads=cfg.backend.threads) if engine is not None else None
+    return measure_step_costs(target, draft)
+
+
+def measure_built_draft_batch_costs(stage: Path, draft_entry: DraftEntry, cfg: BuildConfig, say: Callable[[str], None]) -> Optional[BatchCosts]:
+    """Batched one-token steps of the draft engine by rows (a shared-KV draft runs them in one call; another
+    draft's rows cost n lone steps): what the batch planner charges the speculating rows' drafts. None
+    without a draft engine (prompt lookup, none)."""
+    engine = getattr(draft_entry, "engine", None)
+    if engine is None:
+        return None
+    say(f"timing batched draft steps (up to {cfg.backend.max_batch_size} requests)")
+    return measure_batch_costs(load_engine(stage / engine.path, threads=cfg.backend.threads), cfg.backend.max_batch_size)
+
+
+@dataclass
+class Candidate:
+    spec: str  # the --draft value
+    kind: DraftKind
+    drafter: Optional[Drafter]  # None for "none"
+    costs: StepCosts  # measured on this machine for this candidate's engines
+    # what was built, recorded with the measurement
+    source: str
+    weights_sha256: Optional[str] = None  # a draft checkpoint's
+    build_timings_s: dict[str, float] = field(default_factory=dict)
+
+
+def measure_candidates(target: Engine, candidates: Sequence[Candidate], tokenizer, eos_token_ids: Sequence[int],
+                       cfg: DraftChoiceConfig, *, max_draft_len: int,
+                       progress: Callable[[str], None] = lambda msg: None) -> list[CandidateMeasurement]:
+    """One measurement per candidate, "none" (the target alone) first."""
+    baseline = Candidate(NONE, "none", None, StepCosts(0.0, 0.0), source=NONE)
+    rows = [_row(baseline, target, tokenizer, eos_token_ids, max_draft_len)]
+    rows += [_row(c, target, tokenizer, eos_token_ids, max_draft_len) for c in candidates if c.kind != "none"]
+    sets = load_prompt_sets([], list(cfg.choice_sets), cfg.choice_prompts)
+    encode = rows[0].generator.encode
+    prompts = [(p.id, encode(p.prompt, chat=_has_chat_template(tokenizer))) for s in sets for p in s.prompts]
+    warmup = [prompts[i % len(prompts)][1] for i in range(cfg.warmup_prompts)]
+    total, done = len(rows) * (len(prompts) + len(warmup)), 0
+    progress(f"measuring {len(rows) - 1} candidates and the target alone on {len(prompts)} prompts, "
+             f"{cfg.choice_tokens} new tokens each")
+
+    def on_run(label: str, prompt_id: str) -> None:
+        nonlocal done
+        done += 1
+        if label == rows[-1].label:  # a prompt went through every row
+            progress(f"measuring the candidates: {done}/{total} runs")
+
+    results = run_rows(rows, prompts, max_new_tokens=cfg.choice_tokens, warmup=warmup, on_run=on_run)
+    by_spec = {c.spec: c for c in [baseline, *candidates]}
+    records = []
+    for row in rows:
+        summary = summarize(row.label, row.kind, None, results[row.label], results[NONE])
+        records.append(_record(by_spec[row.label], summary, max_draft_len))
+    return records
+
+
+def _row(candidate: Candidate, target: Engine, tokenizer, eos_token_ids, max_draft_len: int) -> SpecRow:
+    generator = SpecGenerator(target, candidate.drafter, tokenizer, eos_token_ids, candidate.costs)
+    alone = candidate.drafter is None
+    cfg = bounded_generation_config(max_draft_len, speculative=not alone)  # greedy, adaptive K: as served
+    return SpecRow(candidate.spec, generator, cfg, "target-only" if alone else "speculative", None)
+
+
+def _record(candidate: Candidate, summary: dict, max_draft_len: int) -> CandidateMeasurement:
+    alone = candidate.kind == "none"
+    acceptance = None if alone else summary["acceptance_rate"]
+    predicted = None
+    if candidate.kind in MODEL_KINDS and acceptance is not None:
+        predicted = predicted_speedup(acceptance, candidate.costs, adaptive_ceiling(max_draft_len))
+    return CandidateMeasurement(
+        draft=candidate.spec, kind=candidate.kind, prompts=summary["prompts"], tokens_generated=summary["tokens_generated"],
+        tokens_per_s=summary["tokens_per_s"], speedup=summary["speedup"], acceptance_rate=acceptance,
+        mean_accepted_len=None if alone else summary["mean_accepted_len"], matches_target=summary["matches_target"],
+        step_costs=None if alone else candidate.costs, predicted_speedup=predicted, source=candidate.source,
+        weights_sha256=candidate.weights_sha256, build_timings_s=candidate.build_timings_s,
+    )  # fmt: skip
+
+
+def _has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
