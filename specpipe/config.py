@@ -19,7 +19,7 @@ BenchPromptSet = Literal["code", "chat", "grounded"]  # the packaged prompt sets
 # onnxruntime-genai, llama.cpp (llama-cpp-python). All but hf come from the `peers` extra.
 PeerName = Literal["hf", "openvino", "ortgenai", "llamacpp"]
 
-# Intra-op threads of ONNX Runtime (and torch) wherever none are given: the README's measurements use 2.
+# Intra-op threads of ONNX Runtime (and torch) wherever none are given: the measurements in docs/ use 2.
 THREADS = 2
 # The most any command takes: past a few per CPU, threads only wait on each other (--threads 100000 hung
 # ONNX Runtime's session start for minutes before anything was printed).
@@ -222,7 +222,7 @@ class DraftChoiceConfig(Strict):
 
 
 # ---- `specpipe validate`: the gate file (TOML). Every section and key is optional; a missing latency
-# threshold means "report only". The README's "Validation gate" section documents these keys.
+# threshold means "report only". docs/gate.md documents these keys.
 
 _GATE_PROMPTS = [
     "def fibonacci(n):",

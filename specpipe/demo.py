@@ -30,7 +30,7 @@ NAME = "smollm2-demo"
 # The draft's distillation is a work budget, so every machine trains the same draft (a time budget gave a
 # slower CPU a worse one): target answers and training tokens, sized so a fresh demo ends within 25
 # minutes on a 2-core AVX2-only CPU (fp32 teacher ~50 answer tokens/s, training ~600 tokens/s there;
-# README, "Measured"). The minutes are a cap for a machine slower still.
+# docs/demo.md). The minutes are a cap for a machine slower still.
 DISTILL_ANSWER_TOKENS = 16_000
 DISTILL_TRAIN_TOKENS = 200_000
 DISTILL_MINUTES = 16.0
@@ -131,7 +131,7 @@ def build_engines(demo: Demo) -> str:
     # its accuracy against its fp32 self.
     # The target stays fp32 (TARGET_QUANT): on AVX2 without VNNI, int8-wo (what `--quant auto` keeps for this
     # target) decodes one stream 1.4x faster but batches worse (16 rows: 51 ms a step against fp32's 44 ms), so
-    # a server of many users is faster in fp32 (README, "Serving many users at once").
+    # a server of many users is faster in fp32 (docs/batching.md).
     cfg = BuildConfig(target=TARGET, draft=[str(demo.draft_path), "ngram"], name=NAME, engines_dir=demo.engines_dir,
                       repo_dir=demo.repo_dir, force=True, quant=QuantConfig(mode=TARGET_QUANT),
                       draft_quant=QuantConfig(mode=DRAFT_QUANT, accept_accuracy_loss=True))

@@ -5,7 +5,7 @@ The fixture engine is the tiny random target exported and ORT-optimized exactly 
 does. Random tiny models have nearly flat next-token distributions (perplexity above the vocabulary
 size), so low-bit modes flip many near-tied argmaxes: the default budget is asserted where the fixture
 can honestly meet it (int8-wo), and every mode is checked against its own deliberately broken copy.
-Real-model numbers are in the README's quantization table (specpipe.quantize.speed reproduces them).
+Real-model numbers are in docs/quantization.md (specpipe.quantize.speed reproduces them).
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ Rollback is a slice of the cached arrays along the sequence axis.
 multi-row one (a GEMV; for MatMulNBits with int8 activations, accuracy_level 4, onnxruntime/core/mlas/lib/
 sqnbitgemm_kernel_avx2.cpp dispatches M=1 to its own `sqnbitgemm_m1_*` kernels), and the two round
 differently: SmolLM2-135M's logits moved by up to 7e-5 in fp32 and by 1.4-1.8 as int4-wo / int8-wo on an
-AVX2 CPU (README "Greedy equivalence"). A speculative verify call always has K+1 >= 2 rows, so a target opened with min_rows=2 runs its
+AVX2 CPU (docs/decoding.md "Greedy equivalence"). A speculative verify call always has K+1 >= 2 rows, so a target opened with min_rows=2 runs its
 1-token steps as 2-row calls (the token twice; the extra row's logits and cache entries are dropped): every
 call then goes through the same kernels, and a position's logits are the same alone and inside a verify
-call (measured bit-identical, engines/consistency.py; README "Greedy equivalence").
+call (measured bit-identical, engines/consistency.py; docs/decoding.md "Greedy equivalence").
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def session_options(threads: int, *, optimize: bool = True):
     # Worker threads spin for a while after each run by default. A speculative step alternates two
     # sessions (draft, target) on the same cores, and each one's spinning threads starve the other: on this
     # 2-core machine 4 draft steps + a 5-token verification took 60 ms spinning vs 31 ms stopped, with
-    # single-session steps unchanged (README, "Measured").
+    # single-session steps unchanged (docs/benchmarks.md, "Measured").
     so.add_session_config_entry("session.force_spinning_stop", "1")
     return so
 

@@ -9,7 +9,7 @@ slower per token (2026-11-22, loaded machine). Level 4's 1-row kernels round dif
 multi-row ones (logits moved by up to 1.8 on SmolLM2); a target therefore runs its 1-token steps as
 2-row calls (engines/onnxruntime.py), which makes decode and verify bit-identical.
 
-Recipes (measured on SmolLM2-135M, see the README's quantization table):
+Recipes (measured on SmolLM2-135M, see docs/quantization.md):
 - the lm_head stays at 8 bits in int4-wo: it is the embedding matrix too (tied), the most sensitive
   layer, and at 8 bits it costs ~14 MB more than at 4; llama.cpp keeps its output layer at 6-8 bits
   for the same reason.
@@ -58,9 +58,10 @@ class BuilderRecipe:
                 "extra_options": self.options(group_size)}
 
 
-# Measured on SmolLM2-135M (AVX2 EPYC, 2026-11-23, README's builder table): k_quant (llama.cpp's weighted
-# scale/min search) with the lm_head (tied: the embedding too) and llama.cpp's sensitive layers at int8 was
-# the most accurate int4 at int4 speed; symmetric int4 with an int4 head ("default") was the least.
+# Measured on SmolLM2-135M (AVX2 EPYC, 2026-11-23, docs/quantization.md, the model builder's table): k_quant
+# (llama.cpp's weighted scale/min search) with the lm_head (tied: the embedding too) and llama.cpp's sensitive
+# layers at int8 was the most accurate int4 at int4 speed; symmetric int4 with an int4 head ("default") was the
+# least.
 BUILDER_RECIPES = {
     "int8-wo": BuilderRecipe(precision="int8", extra_options=()),
     "int4-wo": BuilderRecipe(precision="int4", extra_options=(("algo_config", "k_quant_mixed"),)),

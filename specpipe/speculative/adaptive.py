@@ -41,7 +41,7 @@ class StepCosts:
 
 
 # Used when a manifest carries no measurement (built before costs were recorded): values measured on a
-# 2-core CPU with ONNX Runtime (README, "Measured"); prompt lookup has no draft engine, so c = 0.
+# 2-core CPU with ONNX Runtime (docs/benchmarks.md, "Measured"); prompt lookup has no draft engine, so c = 0.
 DEFAULT_VERIFY_PER_TOKEN = 0.035
 DEFAULT_MODEL_DRAFT_COST = 0.12
 
