@@ -22,8 +22,11 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from specpipe.config import THREADS, BuildConfig, DistillConfig, QuantConfig
-from specpipe.manifest import MANIFEST, Manifest, read_manifest
+from specpipe.builder.config import BuildConfig
+from specpipe.config import THREADS
+from specpipe.contract.manifest import MANIFEST, Manifest, read_manifest
+from specpipe.contract.quant import QuantConfig
+from specpipe.distill.config import DistillConfig
 
 TARGET = "smollm2-135m"
 NAME = "smollm2-demo"
@@ -223,7 +226,7 @@ def _generate_target_alone(demo: Demo, deployment) -> str:
 def serve_and_gate(demo: Demo) -> str:
     """Start the real Triton server on the repository, stream one request, then run the validation gate
     through it (build/demo_gate.toml; the release gate is build/gate.toml)."""
-    from specpipe.config import GenerationConfig
+    from specpipe.contract.generation import GenerationConfig
     from specpipe.gate import load_gate, run_gate
     from specpipe.triton.client import remote_generate
     from specpipe.triton.server import ServerConfig, TritonServer, free_port

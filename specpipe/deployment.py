@@ -6,11 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from specpipe.config import THREADS, GenerationConfig, parse_draft_schedule
+from specpipe.config import THREADS
+from specpipe.contract.costs import StepCosts
+from specpipe.contract.drafts import parse_draft_schedule
+from specpipe.contract.generation import GenerationConfig
+from specpipe.contract.manifest import DraftEntry, Manifest, ServingRecord, read_manifest
 from specpipe.engines import Engine, load_engine
 from specpipe.errors import EngineError
-from specpipe.manifest import DraftEntry, Manifest, ServingRecord, read_manifest
-from specpipe.speculative.adaptive import StepCosts
 from specpipe.speculative.batching import BatchScheduler
 from specpipe.speculative.drafters import Drafter, ModelDrafter
 from specpipe.speculative.generator import SpecGenerator
@@ -84,7 +86,7 @@ def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: boo
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest.target.engine.backend == "trtllm":
-        from specpipe.manifest import SERVED_BY
+        from specpipe.contract.manifest import SERVED_BY
 
         raise EngineError(f"{folder} is a TensorRT-LLM build: it runs only in TensorRT-LLM ({SERVED_BY})")
     tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest.tokenizer.path))

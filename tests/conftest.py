@@ -85,7 +85,7 @@ def tiny_engines_dir(tmp_path_factory) -> Path:
 def tiny_build(tiny_target, tiny_draft, tiny_engines_dir) -> Path:
     """engines/pair: tiny_target + unrelated tiny_draft, built once per session."""
     from specpipe.builder import build
-    from specpipe.config import BuildConfig
+    from specpipe.builder.config import BuildConfig
 
     return build(BuildConfig(target=str(tiny_target), draft=str(tiny_draft), name="pair",
                              engines_dir=tiny_engines_dir, repo_dir=None))
@@ -95,7 +95,7 @@ def tiny_build(tiny_target, tiny_draft, tiny_engines_dir) -> Path:
 def tiny_self_build(tiny_target, tiny_engines_dir) -> Path:
     """engines/self: tiny_target as its own draft (greedy acceptance must be 1.0)."""
     from specpipe.builder import build
-    from specpipe.config import BuildConfig
+    from specpipe.builder.config import BuildConfig
 
     return build(BuildConfig(target=str(tiny_target), draft=str(tiny_target), name="self",
                              engines_dir=tiny_engines_dir, repo_dir=None))
@@ -105,7 +105,7 @@ def tiny_self_build(tiny_target, tiny_engines_dir) -> Path:
 def smollm2_self_build(tmp_path_factory) -> Path:
     """The real SmolLM2-135M-Instruct as both target and draft (greedy acceptance must be 1.0). Minutes."""
     from specpipe.builder import build
-    from specpipe.config import BuildConfig
+    from specpipe.builder.config import BuildConfig
 
     return build(BuildConfig(target="smollm2-135m", draft="smollm2-135m", name="smollm2-self",
                              engines_dir=tmp_path_factory.mktemp("real"), repo_dir=None))

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from specpipe.config import GenerationConfig, SamplingConfig
+from specpipe.contract.costs import StepCosts
+from specpipe.contract.generation import GenerationConfig, SamplingConfig
 from specpipe.speculative.adaptive import (
     AdaptiveDraftLength,
     ExpectedSpeedupDraftLength,
     FixedDraftLength,
-    StepCosts,
     best_draft_length,
     draft_length_policy,
     expected_speedup,

@@ -17,7 +17,9 @@ PACKAGE = Path(specpipe.__file__).parent
 # The stages in the order data flows through them, earliest first. A module may import its own stage and
 # earlier ones, never a later one. A name covers that module or package and everything under it.
 #
-#   foundation    errors, the config tree and the machine record: what every stage speaks
+#   foundation    errors, what every config shares (config.py) and the machine record
+#   contract      the types that pass between stages: the manifest, step and batch costs, quantization mode and
+#                 accuracy report, sampling and generation config, draft kinds (the floor every stage stands on)
 #   checkpoint    resolve, load and describe a checkpoint; the model facts (alias registry)
 #   export        Hugging Face -> ONNX, checked against torch
 #   engines       the runtimes behind one Engine interface (ONNX Runtime, TensorRT), engine.json. Below
@@ -25,8 +27,7 @@ PACKAGE = Path(specpipe.__file__).parent
 #                 (accuracy, speed), so it needs the runtime, while no runtime needs the quantizer
 #   quantize      weight-only, W8A8 and fp8 graphs, calibration, accuracy budgets
 #   speculative   drafters, the acceptance rule and the decoding loop
-#   deployment    a built folder: its manifest (the contract build writes and every later stage reads) and
-#                 deployment.py, which opens it as engines + drafter; testing/ holds what tests share
+#   deployment    deployment.py, which opens a built folder as engines + drafter; testing/ holds what tests share
 #   triton        the served repository (model config, Python model, client and server)
 #   gate          the validation gate: greedy, distribution, quantization and latency checks
 #   measure       bench (speed on prompt sets) and distill (train a draft): each runs a deployment; neither
@@ -37,12 +38,13 @@ PACKAGE = Path(specpipe.__file__).parent
 #   cli           the command group and `python -m specpipe`
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("specpipe", "specpipe.errors", "specpipe.config", "specpipe.machine")),
+    ("contract", ("specpipe.contract",)),
     ("checkpoint", ("specpipe.checkpoint",)),
     ("export", ("specpipe.export",)),
     ("engines", ("specpipe.engines",)),
     ("quantize", ("specpipe.quantize",)),
     ("speculative", ("specpipe.speculative",)),
-    ("deployment", ("specpipe.manifest", "specpipe.deployment", "specpipe.testing")),
+    ("deployment", ("specpipe.deployment", "specpipe.testing")),
     ("triton", ("specpipe.triton",)),
     ("gate", ("specpipe.gate",)),
     ("measure", ("specpipe.bench", "specpipe.distill")),
@@ -178,9 +180,31 @@ def test_no_import_circles():
     assert not found, "import circles:\n" + "\n".join(found.values())
 
 
+# A stage's own config (specpipe/<stage>/config.py) is for that stage and for the commands that build it.
+CONFIG_READERS = ("specpipe.commands", "specpipe.demo", "specpipe.cli")
+
+
+def foreign_config_imports(edges: set[tuple[str, str]]) -> list[str]:
+    """Each import of another stage's config module, as `importer -> imported`."""
+    return [
+        f"  {a} -> {b}" for a, b in sorted(edges)
+        if b.endswith(".config") and b != "specpipe.config" and _unit(a) != _unit(b)
+        and not a.startswith(CONFIG_READERS)
+    ]  # fmt: skip
+
+
+def test_no_stage_imports_another_stages_config():
+    foreign = foreign_config_imports(import_edges())
+    assert not foreign, "imports of another stage's config (move the shared type to specpipe/contract/):\n" + "\n".join(foreign)
+
+
 def test_the_checks_catch_what_they_check():
     """A planted backward edge and a planted circle are reported (the checks can fail)."""
     planted = {("specpipe.engines.tensorrt", "specpipe.builder.plan"), ("specpipe.builder.plan", "specpipe.engines.tensorrt")}
     assert backward_imports(planted) == ["  specpipe.engines.tensorrt (engines) -> specpipe.builder.plan (builder)"]
     assert circles({("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")}) == [["a", "b", "c"]]
     assert circles({("a", "b"), ("b", "c")}) == []
+    assert foreign_config_imports({("specpipe.bench.run", "specpipe.builder.config")}) == [
+        "  specpipe.bench.run -> specpipe.builder.config"]
+    assert foreign_config_imports({("specpipe.builder.cpu", "specpipe.builder.config"),
+                                   ("specpipe.commands.build", "specpipe.builder.config")}) == []

@@ -8,16 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from specpipe.config import GenerationConfig, SamplingConfig, parse_draft_schedule
+from specpipe.contract.costs import BatchCosts, StepCosts
+from specpipe.contract.drafts import parse_draft_schedule
+from specpipe.contract.drafts import NgramConfig
+from specpipe.contract.generation import GenerationConfig, SamplingConfig
+from specpipe.contract.manifest import ServingRecord
 from specpipe.deployment import load_deployment, make_scheduler
-from specpipe.manifest import ServingRecord
 from specpipe.engines.shared_kv import KVBatch, SharedKVEngine
 from specpipe.speculative import SpecStats
-from specpipe.speculative.adaptive import BatchCosts, StepCosts, plan_batch_draft_lengths, scheduled_draft_length
+from specpipe.speculative.adaptive import plan_batch_draft_lengths, scheduled_draft_length
 from specpipe.speculative.batching import BatchScheduler, ServerBusyError
 from specpipe.speculative.drafters import Proposal
 from specpipe.speculative.ngram import NgramDrafter
-from specpipe.config import NgramConfig
 from specpipe.testing.greedy import assert_greedy_equivalent
 
 from tests.test_decoding import CONTEXT, SAMPLED, chi_square_pvalue, first_two_tokens, target_probs
@@ -28,7 +30,7 @@ def batch_build(tiny_target, tiny_dir, tiny_tokenizer, tiny_engines_dir):
     """tiny_target with an unrelated 1-layer draft whose head_dim (16) the builder's GroupQueryAttention takes
     (tiny_draft's 8 it refuses): both engines are shared-KV, so the draft's steps batch too."""
     from specpipe.builder import build
-    from specpipe.config import BuildConfig
+    from specpipe.builder.config import BuildConfig
     from specpipe.testing.tiny import make_tiny_llama
 
     draft = make_tiny_llama(tiny_dir / "draft_hd16", seed=1, num_layers=1, hidden_size=64, tokenizer=tiny_tokenizer)
@@ -81,8 +83,8 @@ def test_build_makes_a_llama_draft_a_shared_kv_engine_too(pair):
 def test_a_draft_the_builder_cannot_take_is_exported_with_optimum_and_says_why():
     from types import SimpleNamespace
 
+    from specpipe.builder.config import BuildConfig
     from specpipe.builder.cpu import draft_graph
-    from specpipe.config import BuildConfig
 
     cfg = BuildConfig(target="t", draft="d")
     llama = SimpleNamespace(model_type="llama", head_dim=64)
@@ -675,7 +677,7 @@ def test_batched_drafting_makes_speculation_pay_where_lone_drafting_does_not():
 
 
 def test_a_manifest_without_draft_batch_costs_plans_as_before(pair):
-    from specpipe.manifest import Manifest
+    from specpipe.contract.manifest import Manifest
 
     old = pair.manifest.as_dict()
     del old["draft_batch_costs"]

@@ -17,7 +17,7 @@ from specpipe.cli import main
 def engines(tiny_target, tiny_draft, tmp_path_factory):
     """Two deployments: target + unrelated random draft, and target + itself (acceptance must be 1)."""
     from specpipe.builder import build
-    from specpipe.config import BuildConfig
+    from specpipe.builder.config import BuildConfig
 
     root = tmp_path_factory.mktemp("bench-engines")
     pair = build(BuildConfig(target=str(tiny_target), draft=str(tiny_draft), name="pair", engines_dir=root, repo_dir=None))

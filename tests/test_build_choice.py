@@ -13,11 +13,13 @@ import shutil
 import pytest
 
 from specpipe.builder import build
-from specpipe.config import BuildConfig, DraftChoiceConfig, GenerationConfig
-from specpipe.deployment import load_deployment
+from specpipe.builder.config import BuildConfig, DraftChoiceConfig
 from specpipe.builder.draft_choice import choose
-from specpipe.manifest import CandidateMeasurement, sha256_file
-from specpipe.speculative.adaptive import StepCosts, best_draft_length, expected_speedup, predicted_speedup
+from specpipe.contract.costs import StepCosts
+from specpipe.contract.generation import GenerationConfig
+from specpipe.contract.manifest import CandidateMeasurement, sha256_file
+from specpipe.deployment import load_deployment
+from specpipe.speculative.adaptive import best_draft_length, expected_speedup, predicted_speedup
 from specpipe.speculative.drafters import ModelDrafter
 from specpipe.testing.greedy import assert_greedy_equivalent
 from tests.test_cli_core import assert_one_line_error, run_cli

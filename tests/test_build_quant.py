@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from specpipe.config import GenerationConfig
+from specpipe.contract.generation import GenerationConfig
 from specpipe.deployment import load_deployment
 from specpipe.testing.greedy import assert_greedy_equivalent
 from tests.test_cli_core import assert_one_line_error, run_cli
@@ -13,7 +13,8 @@ from tests.test_cli_core import assert_one_line_error, run_cli
 @pytest.fixture(scope="module")
 def quant_build(tiny_target, tiny_draft, tmp_path_factory):
     from specpipe.builder import build
-    from specpipe.config import BuildConfig, QuantConfig
+    from specpipe.builder.config import BuildConfig
+    from specpipe.contract.quant import QuantConfig
 
     return build(BuildConfig(target=str(tiny_target), draft=str(tiny_draft), name="q",
                              engines_dir=tmp_path_factory.mktemp("qeng"), repo_dir=None,

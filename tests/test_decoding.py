@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specpipe.config import GenerationConfig, SamplingConfig
+from specpipe.contract.generation import GenerationConfig, SamplingConfig
 from specpipe.deployment import load_deployment
 from specpipe.errors import UsageError
 from specpipe.speculative import SpecStats, verify as verify_module

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specpipe.cli import main
-from specpipe.config import DistillConfig
+from specpipe.distill.config import DistillConfig
 from specpipe.testing.greedy import assert_greedy_equivalent
 
 
@@ -87,7 +87,7 @@ def test_distill_writes_a_checkpoint_that_shares_the_tokenizer(distilled, tiny_t
 
 def test_distilled_draft_builds_and_decodes_like_the_target(distilled, tiny_target, tmp_path):
     from specpipe.builder import build
-    from specpipe.config import BuildConfig
+    from specpipe.builder.config import BuildConfig
     from specpipe.deployment import load_deployment
 
     folder = build(BuildConfig(target=str(tiny_target), draft=str(distilled.path), name="pair",

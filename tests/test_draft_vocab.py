@@ -33,7 +33,7 @@ def ranked_draft(tiny_target, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sliced_build(tiny_target, ranked_draft, tiny_engines_dir) -> Path:
     from specpipe.builder import build
-    from specpipe.config import BuildConfig
+    from specpipe.builder.config import BuildConfig
 
     return build(BuildConfig(target=str(tiny_target), draft=str(ranked_draft), name="sliced", draft_vocab=KEEP,
                              engines_dir=tiny_engines_dir, repo_dir=None))
@@ -80,7 +80,7 @@ def test_sliced_engine_scores_exactly_the_kept_columns(sliced_build):
 
 
 def test_proposals_stay_inside_the_kept_tokens_and_greedy_output_is_the_targets(sliced_build):
-    from specpipe.config import SamplingConfig
+    from specpipe.contract.generation import SamplingConfig
     from specpipe.deployment import load_deployment
 
     deployment = load_deployment(sliced_build)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpipe.config import DistillConfig
+from specpipe.distill.config import DistillConfig
 
 # TensorRT-LLM's module tree of an Eagle3 draft model, after load_weights' "model." prefix (lm_head stays top-level).
 TRTLLM_KEYS = {

@@ -59,7 +59,7 @@ def test_margin_is_replayed_one_token_per_call_as_target_only_decoding_runs():
 def test_every_quant_mode_has_a_tolerance():
     from typing import get_args
 
-    from specpipe.config import QuantMode
+    from specpipe.contract.quant import QuantMode
 
     assert set(get_args(QuantMode)) <= set(NEAR_TIE_TOLERANCE)
     assert near_tie_tolerance("unknown") == max(NEAR_TIE_TOLERANCE.values())

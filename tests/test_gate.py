@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from tests.test_cli_core import run_cli
-from specpipe.config import GateConfig
 from specpipe.gate import goodness, load_gate, run_gate
+from specpipe.gate.config import GateConfig
 from specpipe.speculative.verify import PLANTED_BIAS_ENV
 
 TEST_GATE = {
@@ -313,7 +313,7 @@ def _quant_entry(mode: str, ppl_rel_change: float, top1: float) -> dict:
 
 
 def _manifest(target: dict, draft: dict):
-    from specpipe.manifest import Manifest
+    from specpipe.contract.manifest import Manifest
 
     return Manifest(name="m", created="", tokenizer={"hash": "h"}, target=target, draft={"kind": "model", **draft})
 

@@ -26,8 +26,8 @@ def _tensorrt_llm():
 def written(tiny_target, tiny_draft, tmp_path_factory) -> dict:
     """The plan's files for the tiny pair, with the resolve step's links made by hand (no hub)."""
     from specpipe.builder import make_plan, write_plan_repository
+    from specpipe.builder.config import BuildConfig, TrtllmBackend
     from specpipe.builder.plan import SERVE_CONFIG
-    from specpipe.config import BuildConfig, TrtllmBackend
 
     _tensorrt_llm()
     root = tmp_path_factory.mktemp("llmapi")

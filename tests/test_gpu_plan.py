@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specpipe.config import BuildConfig, make_config
-from specpipe.errors import IncompatiblePairError, UsageError
 from specpipe.builder import GpuMemoryError, make_plan, render_plan, write_plan_repository
+from specpipe.builder.config import BuildConfig
 from specpipe.builder.memory import GB, kv_bytes_per_token
 from specpipe.checkpoint.facts import resolve_shape, shape_from_config
+from specpipe.config import make_config
 from specpipe.engines.tensorrt_build import optimization_profiles, select_profile
+from specpipe.errors import IncompatiblePairError, UsageError
 from specpipe.triton.model_config import parse_config, read_config
 from specpipe.triton.trtllm_repo import compare_with_templates, parse_template
 
@@ -649,7 +650,7 @@ def test_defect7_symmetric_activations_put_every_int8_activation_zero_point_at_0
     import onnx
     from transformers import AutoTokenizer
 
-    from specpipe.config import QuantConfig
+    from specpipe.contract.quant import QuantConfig
     from specpipe.export.onnx import export_onnx
     from specpipe.quantize.calibration import calibration_batches
     from specpipe.quantize.graph import load_model, untie_lm_head

@@ -26,10 +26,10 @@ def _tensorrt():
 
 def _build(checkpoint: Path, work: Path) -> tuple[Path, Path]:
     """ONNX export -> (ONNX Runtime folder, TensorRT folder), fp32, so the two can be compared closely."""
-    from specpipe.engines.onnxruntime import write_engine_meta
-    from specpipe.export.onnx import export_onnx
     from specpipe.checkpoint.facts import shape_from_config
+    from specpipe.engines.onnxruntime import write_engine_meta
     from specpipe.engines.tensorrt_build import build_engine, optimization_profiles, write_tensorrt_meta
+    from specpipe.export.onnx import export_onnx
 
     shape = shape_from_config(json.loads((checkpoint / "config.json").read_text()), spec=str(checkpoint))
     ort_dir = export_onnx(checkpoint, work / "onnx")
@@ -81,7 +81,7 @@ def test_tensorrt_matches_onnxruntime_through_cache_and_rollback(built_pair):
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_speculative_equals_target_only(built_pair, k):
     """TensorRTEngine under the unchanged speculative decoder: drafts never change greedy output."""
-    from specpipe.config import GenerationConfig
+    from specpipe.contract.generation import GenerationConfig
     from specpipe.engines import load_engine
     from specpipe.speculative.decoder import SpeculativeDecoder
     from specpipe.speculative.drafters import ModelDrafter
@@ -112,8 +112,9 @@ def test_gate_greedy_check_passes_on_tensorrt_engines(tiny_target, tiny_draft, b
     import shutil
 
     from specpipe.builder import build
-    from specpipe.config import BuildConfig, GateConfig
+    from specpipe.builder.config import BuildConfig
     from specpipe.deployment import load_deployment
+    from specpipe.gate.config import GateConfig
     from specpipe.gate.greedy import check_greedy
     from specpipe.gate.subjects import InProcessSubject
 

@@ -16,10 +16,10 @@ from specpipe.bench.load import (
     SCHEMA, LevelRun, RequestRecord, find_local_server, itl_samples, make_report, percentile, process_tree_rss,
     read_reports, summarize_level,
 )
-from specpipe.triton.load import steady_tokens_per_s
 from specpipe.bench.load_report import print_table
+from specpipe.triton.load import steady_tokens_per_s
 from tests.test_cli_core import run_cli
-from specpipe.config import LoadConfig
+from specpipe.bench.config import LoadConfig
 from specpipe.errors import UsageError
 from tests.test_gate import one_line_error
 

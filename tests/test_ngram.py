@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from specpipe.config import GenerationConfig, NgramConfig, SamplingConfig
+from specpipe.contract.drafts import NgramConfig
+from specpipe.contract.generation import GenerationConfig, SamplingConfig
 from specpipe.speculative.decoder import SpeculativeDecoder
 from specpipe.speculative.ngram import NgramDrafter, copy_ceiling
 from specpipe.speculative.stats import SpecStats

@@ -47,7 +47,7 @@ def test_missing_peers_leave_the_bench_running(tiny_target, tmp_path, capsys, mo
     """A bench asking for a peer that is not installed prints its rows and a note, and exits 0."""
     from specpipe.bench import peers
     from specpipe.builder import build
-    from specpipe.config import BuildConfig
+    from specpipe.builder.config import BuildConfig
 
     for name in ("openvino", "ortgenai", "llamacpp"):
         monkeypatch.setitem(peers.PEERS, name, peers.PeerSpec(name, ("no_such_module_xyz",), name, (name,)))
@@ -130,7 +130,7 @@ def peer_engine(tiny_target, tiny_tokenizer, tmp_path_factory):
     """target + a 1-layer draft with head size 16 (onnxruntime-genai's GroupQueryAttention needs a multiple of 16),
     both built from f32 GGUFs so llama.cpp runs the same weights."""
     from specpipe.builder import build
-    from specpipe.config import BuildConfig
+    from specpipe.builder.config import BuildConfig
     from specpipe.testing.tiny import make_tiny_llama
     from tests.test_gguf import write_llama_gguf
 

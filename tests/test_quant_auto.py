@@ -8,8 +8,9 @@ import onnx
 import pytest
 from pydantic import ValidationError
 
-from specpipe.config import AUTO_QUANT_CANDIDATES, BuildConfig, QuantConfig
-from specpipe.quantize.accuracy import AccuracyReport
+from specpipe.builder.config import BuildConfig
+from specpipe.contract.quant import AUTO_QUANT_CANDIDATES, QuantConfig
+from specpipe.contract.quant import AccuracyReport
 from tests.test_cli_core import assert_one_line_error, run_cli
 
 
@@ -131,7 +132,7 @@ def test_quantize_engine_refuses_auto(genai_fp32, tiny_tokenizer, tmp_path):
 
 
 def test_candidate_summary_names_the_failed_metric():
-    from specpipe.manifest import QuantCandidate
+    from specpipe.contract.manifest import QuantCandidate
 
     accuracy = dataclasses.asdict(AccuracyReport(mode="int4-wo", num_sequences=1, num_positions=10, ppl_ref=10.0,
                                                  ppl_quant=10.8, ppl_rel_change=0.08, top1_agreement=0.7, mean_kl=0.47,

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from specpipe.config import AccuracyBudget, GenerationConfig, QuantConfig
+from specpipe.contract.generation import GenerationConfig
+from specpipe.contract.quant import AccuracyBudget, QuantConfig
 from specpipe.errors import AccuracyBudgetError, UsageError
 from specpipe.quantize import check_budget, greedy_agreement, measure_accuracy, quantize_engine, quantize_onnx
 from specpipe.quantize.calibration import (

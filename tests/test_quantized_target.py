@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from specpipe.config import GenerationConfig, QuantConfig
+from specpipe.contract.generation import GenerationConfig
+from specpipe.contract.quant import QuantConfig
 from specpipe.deployment import load_deployment
 from specpipe.engines.consistency import verify_consistency
 from specpipe.engines.onnxruntime import OrtEngine
@@ -25,7 +26,7 @@ def engines(tiny_target, tmp_path_factory):
     """The tiny target's fp32 engine (optimum's graph, whose 1-token steps can be padded) quantized in every
     mode (int8 W8A8 calibrated on random ids)."""
     from specpipe.builder import build
-    from specpipe.config import BuildConfig
+    from specpipe.builder.config import BuildConfig
     from specpipe.quantize.pipeline import quantize_onnx
 
     out = tmp_path_factory.mktemp("modes")
@@ -60,7 +61,7 @@ def test_padding_drops_the_extra_row_from_logits_and_cache(engines):
 @pytest.fixture(scope="module", params=["int8-wo", "int4-wo"])
 def quantized_target_build(request, tiny_target, tiny_draft, tmp_path_factory):
     from specpipe.builder import build
-    from specpipe.config import BuildConfig
+    from specpipe.builder.config import BuildConfig
 
     return build(BuildConfig(target=str(tiny_target), draft=str(tiny_draft), name=f"t-{request.param}",
                              engines_dir=tmp_path_factory.mktemp("qt"), repo_dir=None,

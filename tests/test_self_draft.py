@@ -8,7 +8,7 @@ import json
 import pytest
 
 from specpipe.cli import main
-from specpipe.config import GenerationConfig
+from specpipe.contract.generation import GenerationConfig
 from specpipe.deployment import load_deployment
 from specpipe.speculative.drafters import ModelDrafter
 from specpipe.speculative.ngram import NgramDrafter

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import specpipe
-from specpipe.config import GenerationConfig
+from specpipe.contract.generation import GenerationConfig
 from specpipe.errors import ServerError
 from specpipe.triton import ServerConfig, TritonServer, free_port, write_repository
 from specpipe.triton.client import remote_generate

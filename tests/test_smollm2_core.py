@@ -2,7 +2,7 @@
 
 import pytest
 
-from specpipe.config import GenerationConfig
+from specpipe.contract.generation import GenerationConfig
 from specpipe.deployment import load_deployment
 from specpipe.testing.greedy import assert_greedy_equivalent
 

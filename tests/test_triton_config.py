@@ -11,8 +11,8 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from specpipe.contract.manifest import Manifest, write_manifest
 from specpipe.errors import EngineError, OutputExistsError, UsageError
-from specpipe.manifest import Manifest, write_manifest
 from specpipe.triton import ModelSpec, TensorSpec, parse_config, read_config, served_model_spec, write_repository
 from specpipe.triton.model_config import DynamicBatching, EnsembleStep
 from specpipe.triton.protocol import EXTENSION_INPUTS, EXTENSION_OUTPUTS, parse_request

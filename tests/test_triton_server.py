@@ -24,7 +24,8 @@ import pytest
 
 import specpipe
 from specpipe.builder import build
-from specpipe.config import BuildConfig, GenerationConfig, SamplingConfig
+from specpipe.builder.config import BuildConfig
+from specpipe.contract.generation import GenerationConfig, SamplingConfig
 from specpipe.deployment import load_deployment
 from specpipe.errors import ServerError
 from specpipe.triton import ServerConfig, TritonServer, free_port, write_repository

@@ -13,8 +13,8 @@ import pytest
 from specpipe.builder import make_plan
 from specpipe.builder.run import _manifest
 from specpipe.builder.trtllm_manifest import AT_BUILD
+from specpipe.contract.manifest import MANIFEST, Manifest, ModelDraft, NgramDraft, read_manifest
 from specpipe.errors import EngineError
-from specpipe.manifest import MANIFEST, Manifest, ModelDraft, NgramDraft, read_manifest
 from tests.test_gpu_plan import _cfg, _engine_cfg
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from specpipe.builder import make_plan, write_plan_repository
-from specpipe.config import BuildConfig, make_config
+from specpipe.builder.config import BuildConfig
+from specpipe.config import make_config
 from specpipe.engines import upstream
 from specpipe.errors import UsageError
 from specpipe.triton.model_config import parse_config

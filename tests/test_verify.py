@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from specpipe.config import SamplingConfig
+from specpipe.contract.generation import SamplingConfig
 from specpipe.speculative.sampling import sample, shape_probs
 from specpipe.speculative.stats import SpecStats
 from specpipe.speculative.verify import verify_greedy, verify_sampled
@@ -132,7 +132,8 @@ def test_stats_conventions():
 
 
 def test_config_rejects_out_of_range_values():
-    from specpipe.config import GenerationConfig, make_config
+    from specpipe.config import make_config
+    from specpipe.contract.generation import GenerationConfig
     from specpipe.errors import UsageError
 
     for bad in ({"num_draft_tokens": 0}, {"max_new_tokens": 0}):

@@ -22,7 +22,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Protocol
 
-from specpipe.config import GenerationConfig
+from specpipe.contract.generation import GenerationConfig
 from specpipe.speculative.generator import SpecGenerator
 
 BASELINE = "target-only"

@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-from specpipe.config import LoadConfig
+from specpipe.bench.config import LoadConfig
 from specpipe.errors import ServerError, UsageError
 
 SCHEMA = "specpipe.loadtest/1"
@@ -138,8 +138,8 @@ def run_loadtest(cfg: LoadConfig, *, target: Optional[Path] = None, url: Optiona
     """Drive the server for `target` (a Triton repository, or engines/NAME served from a temporary repository of
     hard links), started here on free loopback ports and stopped after; or the running server at `url`.
     One run (dict) per variant (run_load): one, or two with cfg.against_target_only."""
+    from specpipe.contract.manifest import now_iso
     from specpipe.machine import describe_machine
-    from specpipe.manifest import now_iso
     from specpipe.triton.client import DEFAULT_MODEL
 
     if (target is None) == (url is None):
@@ -242,7 +242,7 @@ def _requests_batched(model_dir: Path, parameters) -> int:
     """Requests one instance decodes together: the model's max_batch_size parameter, else its build's
     (manifest `serving`; 1 for builds made before continuous batching). config.pbtxt's own max_batch_size is
     the request tensors' batch dimension, not this."""
-    from specpipe.manifest import read_manifest
+    from specpipe.contract.manifest import read_manifest
 
     if parameters.max_batch_size:
         return parameters.max_batch_size

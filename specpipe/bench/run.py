@@ -7,12 +7,12 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from specpipe.bench.config import BenchConfig
 from specpipe.bench.harness import BASELINE, measurement_dict, run_rows, spec_rows, summarize
 from specpipe.bench.limits import floor_ms_per_token, measure_bandwidth, weight_bytes
 from specpipe.bench.peers.common import PRECISION_OF_QUANT
 from specpipe.bench.peers.compare import add_vs_specpipe, check_against_own, own_baseline_label, peer_best
 from specpipe.bench.prompts import load_prompt_sets
-from specpipe.config import BenchConfig
 from specpipe.engines.timing import batch_step_ms, step_ms
 from specpipe.errors import UsageError
 from specpipe.speculative.ngram import copy_ceiling
@@ -25,9 +25,9 @@ STRATEGY_OF_DRAFT = {"model": "draft-model", "ngram": "prompt-lookup", "self": "
 def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
     import torch
 
+    from specpipe.contract.manifest import now_iso
     from specpipe.deployment import load_deployment
     from specpipe.machine import describe_machine, library_versions
-    from specpipe.manifest import now_iso
 
     say = progress or (lambda what, done, total: None)
     if not (Path(cfg.engine_dir) / "manifest.json").is_file():

@@ -14,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from specpipe.builder.cpu import Progress, build_cpu
 from specpipe.builder import plan as _plan
+from specpipe.builder.config import BuildConfig
+from specpipe.builder.cpu import Progress, build_cpu
 from specpipe.builder.plan import GpuMemoryError, Plan, render_plan, write_plan_repository
 from specpipe.builder.run import run_plan
 from specpipe.builder.trtllm_manifest import plan_manifest
-from specpipe.config import BuildConfig
 
 __all__ = ["GpuMemoryError", "Plan", "build", "make_plan", "render_plan", "run_plan", "write_plan_repository"]
 

@@ -25,16 +25,18 @@ from specpipe.builder.measure import (
     measure_step_costs,
     measure_target_min_rows,
 )
+from specpipe.builder.config import BuildConfig
 from specpipe.checkpoint.facts import CONTEXT_LENGTH_UNSAID
-from specpipe.config import MAX_SEQ_LEN, BuildConfig, draft_kind
+from specpipe.config import MAX_SEQ_LEN
+from specpipe.contract.drafts import draft_kind
 from specpipe.engines import load_engine
 from specpipe.engines.onnxruntime import optimize_for_cpu, write_engine_meta
 from specpipe.engines.shared_kv import KV_LAYOUT
 from specpipe.errors import ExportError, OutputExistsError, UsageError
-from specpipe.export.ortgenai_builder import run_model_builder
 from specpipe.export.onnx import check_export, export_onnx
+from specpipe.export.ortgenai_builder import run_model_builder
 from specpipe.machine import describe_machine
-from specpipe.manifest import (
+from specpipe.contract.manifest import (
     ChoiceSample,
     DraftChoice,
     DraftEntry,
@@ -55,7 +57,7 @@ from specpipe.manifest import (
     file_hashes,
     write_manifest,
 )
-from specpipe.speculative.adaptive import StepCosts
+from specpipe.contract.costs import StepCosts
 from specpipe.triton.repository import DEFAULT_MODEL_NAME, write_repository
 
 Progress = Callable[[str], None]
@@ -383,7 +385,7 @@ def _auto_quant(reference: Path, out: Path, qcfg, tokenizer, checkpoint: Optiona
     """`--quant auto`: quantize `reference` into `out` as each of AUTO_QUANT_CANDIDATES (fastest first), measure
     each against it, and keep the first within qcfg.budget; if none is, the unquantized engine becomes `out`.
     The record names the kept mode and lists every candidate's numbers."""
-    from specpipe.config import AUTO_QUANT_CANDIDATES
+    from specpipe.contract.quant import AUTO_QUANT_CANDIDATES
     from specpipe.quantize import quantize_engine
 
     candidates = []
@@ -458,7 +460,7 @@ def _build_self_draft(spec: str, stage: Path, out: Path, cfg: BuildConfig, token
     target). Its accuracy is measured and recorded but never fails the build: a draft's precision changes
     how often it is accepted, never the output.
     """
-    from specpipe.config import QuantConfig
+    from specpipe.contract.quant import QuantConfig
     from specpipe.quantize import quantize_engine
 
     mode = spec.removeprefix("self:")

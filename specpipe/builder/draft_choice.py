@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from specpipe.contract.manifest import CandidateMeasurement
 from specpipe.deployment import bounded_generation_config
-from specpipe.manifest import CandidateMeasurement
 
 NONE = "none"  # the candidate that is always there: the target alone
 MODEL_KINDS = ("model", "self")  # drafts with an engine of their own: they cost a step, so they can slow decoding

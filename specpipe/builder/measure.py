@@ -23,15 +23,17 @@ from typing import Callable, Optional, Sequence
 
 from specpipe.bench.harness import SpecRow, run_rows, summarize
 from specpipe.bench.prompts import load_prompt_sets
+from specpipe.builder.config import BuildConfig, DraftChoiceConfig
 from specpipe.builder.draft_choice import MODEL_KINDS, NONE, adaptive_ceiling
-from specpipe.config import BuildConfig, DraftChoiceConfig, DraftKind
+from specpipe.contract.costs import BatchCosts, StepCosts
+from specpipe.contract.drafts import DraftKind
+from specpipe.contract.manifest import CandidateMeasurement, ConsistencyRecord, DraftEntry
 from specpipe.deployment import bounded_generation_config
 from specpipe.engines import load_engine
 from specpipe.engines.base import Engine
 from specpipe.engines.onnxruntime import TARGET_MIN_ROWS
 from specpipe.engines.timing import batch_step_ms, step_ms
-from specpipe.manifest import CandidateMeasurement, ConsistencyRecord, DraftEntry
-from specpipe.speculative.adaptive import BatchCosts, StepCosts, predicted_speedup
+from specpipe.speculative.adaptive import predicted_speedup
 from specpipe.speculative.drafters import Drafter
 from specpipe.speculative.generator import SpecGenerator
 

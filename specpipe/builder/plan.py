@@ -26,13 +26,14 @@ from specpipe.builder.trtllm import (
     trtllm_serve_command,
     trtllm_serve_config,
 )
+from specpipe.builder.config import BuildConfig, TrtllmBackend
+from specpipe.checkpoint.eagle3 import read_eagle3_head
 from specpipe.checkpoint.facts import ModelShape, resolve_shape
-from specpipe.config import MAX_SEQ_LEN, BuildConfig, TrtllmBackend
+from specpipe.config import MAX_SEQ_LEN
+from specpipe.contract.manifest import MANIFEST, Manifest
 from specpipe.engines import upstream
 from specpipe.engines.tensorrt_build import PLAN_FILE, optimization_profiles
 from specpipe.errors import UsageError
-from specpipe.checkpoint.eagle3 import read_eagle3_head
-from specpipe.manifest import MANIFEST, Manifest
 from specpipe.triton.repository import DEFAULT_MODEL_NAME
 
 SHARED_KV_FRACTION = 0.45  # each of two models on one GPU: whichever loads first leaves room for the other
@@ -467,7 +468,7 @@ def _tensorrt_steps(cfg: BuildConfig, jobs: list[ModelJob], limits: Limits, work
     steps.append(
         Step(
             id="manifest", title="write the manifest of the TensorRT deployment (step costs timed on these engines)",
-            kind="manifest", writes=(str(work / MANIFEST),), needs=("cuda", "tensorrt"), gpu=True, source="specpipe/manifest.py",
+            kind="manifest", writes=(str(work / MANIFEST),), needs=("cuda", "tensorrt"), gpu=True, source="specpipe/contract/manifest.py",
         )  # fmt: skip
     )
     if repo is not None:
@@ -648,7 +649,7 @@ def render_plan(plan: Plan) -> str:
 
 def _render_manifest(manifest: Manifest) -> str:
     """The manifest the build writes last; `(at build)` marks what only the resolved checkpoints tell."""
-    from specpipe.manifest import MANIFEST as FILE
+    from specpipe.contract.manifest import MANIFEST as FILE
 
     lines = [f"Manifest ({FILE}, written last; --json shows it whole):"]
     for role in ("target", "draft"):

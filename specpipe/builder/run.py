@@ -13,9 +13,9 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Optional
 
+from specpipe.builder.config import BuildConfig
 from specpipe.builder.plan import PLAN_JSON, Plan, plan_jobs, tensorrt_engine_dir, write_plan_repository, write_serve_config
 from specpipe.builder.steps import Step
-from specpipe.config import BuildConfig
 from specpipe.engines import upstream
 from specpipe.errors import EngineError, SpecpipeError
 
@@ -161,7 +161,15 @@ def _manifest(step, plan, cfg, work):
 
     from specpipe.checkpoint import inspect_checkpoint, load_tokenizer, tokenizer_hash, weights_sha256
     from specpipe.engines import load_engine
-    from specpipe.manifest import EngineRecord, Manifest, ModelDraft, ModelEntry, TokenizerRecord, file_hashes, write_manifest
+    from specpipe.contract.manifest import (
+        EngineRecord,
+        Manifest,
+        ModelDraft,
+        ModelEntry,
+        TokenizerRecord,
+        file_hashes,
+        write_manifest,
+    )
     from specpipe.builder.measure import measure_step_costs
 
     if plan.backend == "trtllm":  # served by TensorRT-LLM: nothing to time here, the artifacts hashed

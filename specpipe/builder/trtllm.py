@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from specpipe.builder.steps import Step
 from specpipe.checkpoint.eagle3 import is_eagle3_architecture, read_eagle3_head
 from specpipe.checkpoint.facts import ModelShape
-from specpipe.config import NgramConfig
+from specpipe.contract.drafts import NgramConfig
 from specpipe.engines import upstream
 
 # trtllm-build's own default (gh-pages 1.2.1/commands/trtllm-build.html); raised to max_input_len so a

@@ -17,12 +17,20 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from specpipe.manifest import (SERVED_BY, EngineRecord, Manifest, ModelDraft, ModelEntry, NgramDraft, ServingRecord,
-                               TokenizerRecord)
+from specpipe.contract.manifest import (
+    SERVED_BY,
+    EngineRecord,
+    Manifest,
+    ModelDraft,
+    ModelEntry,
+    NgramDraft,
+    ServingRecord,
+    TokenizerRecord,
+)
 
 if TYPE_CHECKING:
+    from specpipe.builder.config import BuildConfig
     from specpipe.builder.plan import Plan, PlannedModel
-    from specpipe.config import BuildConfig
 
 AT_BUILD = "(at build)"  # a value the dry run cannot know: computed from the resolved checkpoint by the real build
 
@@ -70,7 +78,7 @@ def plan_manifest(plan: "Plan", cfg: "BuildConfig") -> Manifest:
 def built_manifest(plan: "Plan", cfg: "BuildConfig") -> Manifest:
     """The plan's manifest with what the resolved checkpoints and the built artifacts say."""
     from specpipe.checkpoint import inspect_checkpoint, load_tokenizer, tokenizer_hash, weights_sha256
-    from specpipe.manifest import file_hashes
+    from specpipe.contract.manifest import file_hashes
 
     work = Path(plan.work_dir)
     manifest = plan_manifest(plan, cfg)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from specpipe.config import BenchConfig, field_choices, field_default, field_help, make_config
+from specpipe.bench.config import BenchConfig
+from specpipe.config import field_choices, field_default, field_help, make_config
 from specpipe.errors import UsageError
 
 _DEFAULT_K = field_default(BenchConfig, "draft_lengths")

@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING
 import click
 from click.core import ParameterSource
 
-from specpipe.config import (BACKENDS, AccuracyBudget, BuildConfig, DraftChoiceConfig, NgramConfig, OnnxRuntimeBackend,
-                             QuantConfig, TrtllmBackend, field_choices, field_default, field_help, make_config)
+from specpipe.builder.config import BACKENDS, BuildConfig, DraftChoiceConfig, OnnxRuntimeBackend, TrtllmBackend
+from specpipe.config import field_choices, field_default, field_help, make_config
+from specpipe.contract.drafts import NgramConfig
+from specpipe.contract.quant import AccuracyBudget, QuantConfig
 from specpipe.quantize.pipeline import MODE_HELP
 
 if TYPE_CHECKING:
-    from specpipe.manifest import Manifest
+    from specpipe.contract.manifest import Manifest
 
 def _choice(model, field: str) -> click.Choice:
     return click.Choice(field_choices(model, field))
@@ -121,7 +123,7 @@ def build(as_json: bool, no_repo: bool, backend: str, **options) -> None:
       specpipe build --target smollm2-135m --draft path/to/draft --draft ngram --draft self:int4-wo
     """
     from specpipe.builder import build as build_pair
-    from specpipe.manifest import read_manifest
+    from specpipe.contract.manifest import read_manifest
 
     cfg = _config(backend, no_repo, options)
     if cfg.backend.kind != "onnxruntime":

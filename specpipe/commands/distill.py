@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from specpipe.config import DistillConfig, field_choices, field_default, field_help, make_config
+from specpipe.config import field_choices, field_default, field_help, make_config
+from specpipe.distill.config import DistillConfig
 
 
 def _option(name: str, **kwargs):

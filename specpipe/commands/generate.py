@@ -8,7 +8,8 @@ from typing import Optional
 
 import click
 
-from specpipe.config import GenerationConfig, RuntimeConfig, SamplingConfig, field_default, field_help, make_config
+from specpipe.config import RuntimeConfig, field_default, field_help, make_config
+from specpipe.contract.generation import GenerationConfig, SamplingConfig
 from specpipe.errors import UsageError
 
 

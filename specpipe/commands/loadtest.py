@@ -8,7 +8,8 @@ from typing import Optional
 
 import click
 
-from specpipe.config import LoadConfig, field_default, field_help, make_config
+from specpipe.bench.config import LoadConfig
+from specpipe.config import field_default, field_help, make_config
 from specpipe.errors import UsageError
 
 

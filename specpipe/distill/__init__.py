@@ -8,7 +8,7 @@ embedding is the target's, projected) -> training (soft cross-entropy over a can
 
 from typing import Optional
 
-from specpipe.config import DistillConfig
+from specpipe.distill.config import DistillConfig
 from specpipe.distill.eagle3_run import distill_eagle3
 from specpipe.distill.progress import DistillProgress, RichDistillProgress, SilentProgress
 from specpipe.distill.run import DistillResult, distill_model

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from specpipe.config import DistillConfig
+from specpipe.distill.config import DistillConfig
 from specpipe.distill.progress import DistillProgress
 from specpipe.errors import UsageError
 

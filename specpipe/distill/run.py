@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from specpipe.config import DistillConfig
+from specpipe.distill.config import DistillConfig
 from specpipe.distill.progress import DistillProgress, SilentProgress
 from specpipe.errors import OutputExistsError, UsageError
 

@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from specpipe.speculative.adaptive import StepCosts, best_draft_length, expected_speedup
+from specpipe.contract.costs import StepCosts
+from specpipe.speculative.adaptive import best_draft_length, expected_speedup
 
 CONTEXT_TOKENS = 64
 VERIFY_TOKENS = 8

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specpipe.config import GateConfig, GateDistributionConfig, SamplingConfig
+from specpipe.contract.generation import SamplingConfig
 from specpipe.gate import goodness
+from specpipe.gate.config import GateConfig, GateDistributionConfig
 from specpipe.gate.report import CheckResult
 from specpipe.gate.subjects import Subject, Tick
 from specpipe.speculative.sampling import shape_probs

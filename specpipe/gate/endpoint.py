@@ -25,8 +25,8 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from specpipe.config import GateConfig
 from specpipe.errors import GateError, ServerError
+from specpipe.gate.config import GateConfig
 from specpipe.gate.report import CheckResult
 from specpipe.gate.subjects import RequestTiming, Subject, answers_after_bad_requests, run_concurrently
 
@@ -269,7 +269,7 @@ class EndpointSubject(Subject):
         """p of the first two tokens from the reference endpoint's top log-probabilities, tempered and truncated as the
         samples are, conditional on those top tokens (a sample outside them is not tested; with top_k within them, it
         is impossible). x* = the reference's greedy first token."""
-        from specpipe.config import SamplingConfig
+        from specpipe.contract.generation import SamplingConfig
         from specpipe.gate.distribution import Case
         from specpipe.speculative.sampling import shape_probs
 

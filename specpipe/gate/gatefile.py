@@ -8,8 +8,8 @@ from typing import Optional
 
 from pydantic import ValidationError
 
-from specpipe.config import GateConfig
 from specpipe.errors import GateError
+from specpipe.gate.config import GateConfig
 
 try:
     import tomllib

@@ -9,7 +9,7 @@ one token per call as target-only decoding runs. Outputs are compared no further
 
 from __future__ import annotations
 
-from specpipe.config import GateConfig
+from specpipe.gate.config import GateConfig
 from specpipe.gate.report import CheckResult
 from specpipe.gate.subjects import Subject, Tick
 from specpipe.speculative.equivalence import compare_greedy, near_tie_tolerance

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specpipe.config import GateConfig
+from specpipe.gate.config import GateConfig
 from specpipe.gate.report import CheckResult
 from specpipe.gate.subjects import Subject, Tick, TimedRun
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
-from specpipe.config import AccuracyBudget, GateConfig
+from specpipe.contract.manifest import Manifest, ModelEntry, SelfDraft
+from specpipe.contract.quant import AccuracyBudget
 from specpipe.errors import GateError
+from specpipe.gate.config import GateConfig
 from specpipe.gate.report import CheckResult
-from specpipe.manifest import Manifest, ModelEntry, SelfDraft
 
 NAME = "quantization_accuracy"
 
@@ -77,7 +78,7 @@ def _remeasure(folder: Path, role: str, entry: Built, manifest: Manifest):
     """Measure the quantized engine against the unquantized one the build kept, on the evaluation set."""
     from transformers import AutoTokenizer
 
-    from specpipe.config import QuantConfig
+    from specpipe.contract.quant import QuantConfig
     from specpipe.quantize import measure_accuracy
     from specpipe.quantize.calibration import evaluation_batches
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Literal, Optional
 
-from specpipe.config import THREADS, GateConfig
+from specpipe.config import THREADS
 from specpipe.errors import GateError, SpecpipeError
+from specpipe.gate.config import GateConfig
 from specpipe.gate.report import CheckResult, GateReport, write_report
 from specpipe.gate.subjects import InProcessSubject, Subject
 
@@ -47,8 +48,8 @@ def run_gate(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from specpipe.contract.manifest import now_iso
     from specpipe.machine import describe_machine, library_versions
-    from specpipe.manifest import now_iso
 
     started_iso, started = now_iso(), time.perf_counter()
     console = Console(stderr=True, quiet=not progress)
@@ -160,8 +161,8 @@ def _open_subject(target, mode: GateMode, gate: GateConfig, *, engines, model_na
         return
 
     from specpipe.gate.server import ServerSubject, check_reachable
-    from specpipe.triton.repository import served_engine_dir
     from specpipe.triton.client import DEFAULT_MODEL
+    from specpipe.triton.repository import served_engine_dir
 
     model_name = model_name or DEFAULT_MODEL
     if mode == "url":

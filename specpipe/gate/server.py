@@ -12,8 +12,9 @@ from typing import Optional
 
 import numpy as np
 
-from specpipe.config import GenerationConfig, GateConfig
+from specpipe.contract.generation import GenerationConfig
 from specpipe.errors import GateError, ServerError
+from specpipe.gate.config import GateConfig
 from specpipe.gate.report import CheckResult
 from specpipe.gate.subjects import RequestTiming, Subject, Tick, TimedRun, answers_after_bad_requests
 
@@ -71,8 +72,8 @@ class ServerSubject(Subject):
 
     def timed_run(self, prompts, max_new_tokens, num_draft_tokens, concurrency, requests, warmup, tick):
         """Closed-loop streaming users, as `specpipe loadtest` runs a level (specpipe.triton.load)."""
-        from specpipe.triton.load import run_level
         from specpipe.triton.client import request_tensors
+        from specpipe.triton.load import run_level
 
         cfg = self._config(max_new_tokens, num_draft_tokens)
         make_request = lambda i: request_tensors(prompts[i % len(prompts)], cfg, stream=True, chat=self.chat)  # noqa: E731

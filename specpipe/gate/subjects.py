@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from specpipe.config import GenerationConfig, SamplingConfig
+from specpipe.contract.generation import GenerationConfig, SamplingConfig
 from specpipe.errors import ServerError
 from specpipe.speculative.decoder import SpeculativeDecoder
 from specpipe.speculative.drafters import ModelDrafter

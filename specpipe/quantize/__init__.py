@@ -3,7 +3,8 @@
 Stage order: export (fp32 ONNX) -> quantize (this package) -> engine. See `pipeline.quantize_engine`.
 """
 
-from specpipe.quantize.accuracy import AccuracyReport, BudgetViolation, check_budget, greedy_agreement, measure_accuracy
+from specpipe.contract.quant import AccuracyReport
+from specpipe.quantize.accuracy import BudgetViolation, check_budget, greedy_agreement, measure_accuracy
 from specpipe.quantize.pipeline import MODE_HELP, QuantResult, check_kv_cache_dtype, quantize_engine, quantize_onnx
 
 __all__ = [

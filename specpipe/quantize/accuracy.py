@@ -19,24 +19,9 @@ from typing import Sequence
 
 import numpy as np
 
-from specpipe.config import THREADS, AccuracyBudget
+from specpipe.config import THREADS
+from specpipe.contract.quant import AccuracyBudget, AccuracyReport
 from specpipe.errors import AccuracyBudgetError, UsageError
-
-
-@dataclasses.dataclass(frozen=True)
-class AccuracyReport:
-    mode: str
-    num_sequences: int
-    num_positions: int
-    ppl_ref: float
-    ppl_quant: float
-    ppl_rel_change: float
-    top1_agreement: float
-    mean_kl: float
-    max_kl: float
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specpipe.config import QuantConfig
+from specpipe.contract.quant import QuantConfig
 from specpipe.errors import UsageError
 from specpipe.quantize.graph import kv_input_shapes
 

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from specpipe.config import THREADS, QuantConfig
+from specpipe.config import THREADS
+from specpipe.contract.quant import QuantConfig
 from specpipe.errors import UsageError
 from specpipe.quantize.graph import (
     constant_weight_matmuls,

@@ -99,7 +99,7 @@ def measure_speed(engine_dir: Path, **options) -> SpeedReport:
 
 def quantize_all_modes(fp32_engine: Path, tokenizer, out_dir: Path, modes: Sequence[str] = MODES) -> dict[str, dict]:
     """Quantize `fp32_engine` in each mode into out_dir/<mode> and measure accuracy. {mode: row}."""
-    from specpipe.config import QuantConfig
+    from specpipe.contract.quant import QuantConfig
     from specpipe.quantize.accuracy import measure_accuracy
     from specpipe.quantize.calibration import calibration_batches, evaluation_batches
     from specpipe.quantize.pipeline import quantize_onnx

@@ -24,26 +24,9 @@ change how many tokens are drafted, never how a drafted token is accepted.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
 
-from specpipe.config import GenerationConfig
-
-
-@dataclass(frozen=True)
-class StepCosts:
-    """Costs relative to one target decode step (see the module docstring for c and b)."""
-
-    draft: float  # c: one draft step / one target step
-    verify_per_token: float  # b: (target call on n+1 tokens - call on 1 token) / n / one target step
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-# Used when a manifest carries no measurement (built before costs were recorded): values measured on a
-# 2-core CPU with ONNX Runtime (docs/benchmarks.md, "Measured"); prompt lookup has no draft engine, so c = 0.
-DEFAULT_VERIFY_PER_TOKEN = 0.035
-DEFAULT_MODEL_DRAFT_COST = 0.12
+from specpipe.contract.costs import BatchCosts, StepCosts
+from specpipe.contract.generation import GenerationConfig
 
 
 class DraftLengthPolicy(ABC):
@@ -156,43 +139,6 @@ def draft_confidence_floor(cfg: GenerationConfig) -> float:
     """The top draft probability under which a model draft stops early; 0 (never stop) when K is fixed,
     so a fixed K drafts exactly K tokens (benchmarks sweep K)."""
     return cfg.min_draft_confidence if cfg.draft_length != "fixed" else 0.0
-
-
-@dataclass(frozen=True)
-class BatchCosts:
-    """What a step costs when several requests decode together (continuous batching), in ms, measured at
-    build on the target engine: `decode_ms[n]` = one batched call that appends one token to each of n rows;
-    `verify_ms` = a lone row's call on 1 + k tokens is decode_ms[1] * (1 + b k), with b = StepCosts's
-    verify_per_token, and a draft step costs decode_ms[1] * c. Sizes between measured ones interpolate,
-    beyond the largest extrapolate from the last two."""
-
-    decode_ms: dict[int, float]
-
-    def decode(self, rows: int) -> float:
-        if rows <= 0:
-            return 0.0
-        sizes = sorted(self.decode_ms)
-        if rows in self.decode_ms:
-            return self.decode_ms[rows]
-        below = [n for n in sizes if n < rows]
-        above = [n for n in sizes if n > rows]
-        lo, hi = (below[-1], above[0]) if below and above else (sizes[-2], sizes[-1]) if len(sizes) > 1 else (sizes[0], sizes[0])
-        if lo == hi:
-            return self.decode_ms[lo] * rows / lo
-        slope = (self.decode_ms[hi] - self.decode_ms[lo]) / (hi - lo)
-        return self.decode_ms[lo] + slope * (rows - lo)
-
-    def as_dict(self) -> dict:
-        return {"decode_ms": {str(n): ms for n, ms in sorted(self.decode_ms.items())}}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "BatchCosts":
-        return cls({int(n): float(ms) for n, ms in data["decode_ms"].items()})
-
-    @classmethod
-    def unbatched(cls, step_ms: float = 1.0) -> "BatchCosts":
-        """An engine without batched calls: n rows cost n lone steps."""
-        return cls({1: step_ms, 2: 2 * step_ms})
 
 
 def plan_batch_draft_lengths(acceptances: list[float], preferred: list[int], costs: StepCosts,

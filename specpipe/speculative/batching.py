@@ -41,20 +41,19 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from specpipe.config import GenerationConfig
+from specpipe.contract.costs import BatchCosts, StepCosts
+from specpipe.contract.generation import GenerationConfig
 from specpipe.engines.base import Engine, EngineSequence, Preempted, Preemption
 from specpipe.errors import SpecpipeError, UsageError
 from specpipe.speculative.adaptive import (
-    BatchCosts,
     DraftLengthPolicy,
-    StepCosts,
     draft_length_policy,
     plan_batch_draft_lengths,
     scheduled_draft_length,
 )
+from specpipe.speculative.decoder import _cut_at_eos
 from specpipe.speculative.drafters import DraftSession, Drafter, Proposal
 from specpipe.speculative.stats import SpecStats
-from specpipe.speculative.decoder import _cut_at_eos
 from specpipe.speculative.verify import judge
 
 _DONE = object()  # end of a request's token stream

@@ -12,9 +12,10 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from specpipe.config import GenerationConfig
+from specpipe.contract.costs import StepCosts
+from specpipe.contract.generation import GenerationConfig
 from specpipe.engines.base import Engine
-from specpipe.speculative.adaptive import StepCosts, draft_length_policy
+from specpipe.speculative.adaptive import draft_length_policy
 from specpipe.speculative.drafters import Drafter, Proposal
 from specpipe.speculative.stats import SpecStats
 from specpipe.speculative.verify import judge

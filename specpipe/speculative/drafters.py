@@ -18,9 +18,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from specpipe.config import GenerationConfig, SamplingConfig
+from specpipe.contract.costs import DEFAULT_MODEL_DRAFT_COST, DEFAULT_VERIFY_PER_TOKEN, StepCosts
+from specpipe.contract.generation import GenerationConfig, SamplingConfig
 from specpipe.engines.base import Engine, EngineBatch
-from specpipe.speculative.adaptive import DEFAULT_MODEL_DRAFT_COST, DEFAULT_VERIFY_PER_TOKEN, StepCosts, draft_confidence_floor
+from specpipe.speculative.adaptive import draft_confidence_floor
 from specpipe.speculative.sampling import sample, shape_probs
 
 

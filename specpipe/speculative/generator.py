@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from specpipe.config import GenerationConfig
+from specpipe.contract.costs import StepCosts
+from specpipe.contract.generation import GenerationConfig
 from specpipe.engines.base import Engine
 from specpipe.errors import UsageError, require_text
-from specpipe.speculative.adaptive import StepCosts
 from specpipe.speculative.decoder import SpeculativeDecoder
 from specpipe.speculative.drafters import Drafter
 from specpipe.speculative.stats import SpecStats

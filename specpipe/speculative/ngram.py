@@ -13,8 +13,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from specpipe.config import GenerationConfig, NgramConfig, SamplingConfig, field_default
-from specpipe.speculative.adaptive import DEFAULT_VERIFY_PER_TOKEN, StepCosts
+from specpipe.config import field_default
+from specpipe.contract.costs import DEFAULT_VERIFY_PER_TOKEN, StepCosts
+from specpipe.contract.drafts import NgramConfig
+from specpipe.contract.generation import GenerationConfig, SamplingConfig
 from specpipe.speculative.drafters import Drafter, DraftSession, Proposal
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specpipe.config import SamplingConfig
+from specpipe.contract.generation import SamplingConfig
 
 
 def shape_probs(logits: np.ndarray, sampling: SamplingConfig) -> np.ndarray:

@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 from scipy import stats
 
-from specpipe.config import GenerationConfig
+from specpipe.contract.generation import GenerationConfig
 from specpipe.speculative.decoder import SpeculativeDecoder
 from specpipe.speculative.stats import SpecStats
 

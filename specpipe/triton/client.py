@@ -14,7 +14,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from specpipe.config import GenerationConfig
+from specpipe.contract.generation import GenerationConfig
 from specpipe.errors import ServerError, require_text
 
 DEFAULT_MODEL = "ensemble"

@@ -37,7 +37,8 @@ from typing import Any, Literal, Optional, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specpipe.config import GenerationConfig, Strict
+from specpipe.config import Strict
+from specpipe.contract.generation import GenerationConfig
 from specpipe.errors import ServerError
 
 MAX_BODY_BYTES = 1 << 20
@@ -426,7 +427,7 @@ def front_for_repository(repo, triton_url: str, timeout_s: float = 600.0) -> Fro
 
     from transformers import AutoTokenizer
 
-    from specpipe.manifest import read_manifest
+    from specpipe.contract.manifest import read_manifest
     from specpipe.triton.model_config import read_config
     from specpipe.triton.repository import served_engine_dir
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, get_args
 
+from specpipe.bench.config import PeerName
 from specpipe.bench.peers.common import PRECISION_OF_QUANT, PeerPair, PeerRow, source_gguf
-from specpipe.config import PeerName
 from specpipe.errors import SpecpipeError, UsageError
 
 PEER_NAMES: tuple[str, ...] = get_args(PeerName)

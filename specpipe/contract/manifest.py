@@ -18,11 +18,12 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
-from specpipe.config import AccuracyBudget, NgramConfig, QuantMode
+from specpipe.contract.costs import BatchCosts, StepCosts
+from specpipe.contract.drafts import NgramConfig
+from specpipe.contract.quant import AccuracyBudget, QuantMode
+from specpipe.contract.quant import AccuracyReport
 from specpipe.errors import EngineError
 from specpipe.machine import library_versions
-from specpipe.quantize.accuracy import AccuracyReport
-from specpipe.speculative.adaptive import BatchCosts, StepCosts
 
 MANIFEST = "manifest.json"
 FORMAT = 1

@@ -1,0 +1,88 @@
+"""How an engine is quantized and what its accuracy against the unquantized engine came to: what the builder
+asks of quantize, what the manifest records, and what the gate holds to a budget."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field, field_validator
+
+from specpipe.config import Strict
+
+
+QuantMode = Literal["none", "int8-wo", "int4-wo", "int8", "fp8"]  # how an engine is quantized
+
+
+# --quant may also be `auto`: the build quantizes the target as each of AUTO_QUANT_CANDIDATES in turn and
+# keeps the first within its accuracy budget, else the unquantized engine (builder/cpu.py `_auto_quant`).
+QuantChoice = Literal["none", "int8-wo", "int4-wo", "int8", "fp8", "auto"]
+
+
+AUTO_QUANT_CANDIDATES = ("int4-wo", "int8-wo")  # fastest first on CPU (MatMulNBits reads 4, then 8 bits a weight)
+
+
+KvCacheDtype = Literal["auto", "fp8", "int8"]
+
+
+class AccuracyBudget(Strict):
+    """How far a quantized engine may drift from the unquantized engine of the same model.
+
+    Measured teacher-forced on held-out text and prompts disjoint from the calibration set
+    (specpipe.quantize.accuracy). Relative perplexity change = ppl_quant / ppl_ref - 1.
+    """
+
+    max_ppl_increase: float = Field(0.05, ge=0.0, description="largest relative perplexity increase (0.05 = +5%)")
+    min_top1_agreement: float = Field(0.9, ge=0.0, le=1.0, description="smallest share of positions whose argmax matches")
+    max_mean_kl: Optional[float] = Field(None, gt=0.0, description="largest mean KL(p_ref || p_quant) in nats; None = report only")
+
+
+class QuantConfig(Strict):
+    """How one engine (target or draft) is quantized; `mode` none keeps fp32.
+
+    int8-wo / int4-wo: weight-only, ONNX Runtime MatMulNBits, group-wise. On the model builder's graph the
+    builder quantizes (specpipe.quantize.weight_only.BUILDER_RECIPES: int4 k-quant with the lm_head and the
+    sensitive layers at int8); on optimum's graph specpipe does (RECIPES: int4 asymmetric, lm_head at int8).
+    int8: W8A8 QDQ, per-channel weights, per-tensor activation scales calibrated on prompts.
+    fp8: E4M3 weights and activations as QDQ with calibrated scales; ONNX Runtime on CPU emulates
+    it (that is how accuracy is checked here), TensorRT on Hopper/Ada runs the same graph natively.
+    auto (a CPU target only): the first of AUTO_QUANT_CANDIDATES within the budget, else none.
+    """
+
+    mode: QuantChoice = "none"
+    group_size: int = Field(32, ge=16, description="weight-only: weights per quantization group (power of 2, >= 16)")
+    calib_prompts: Optional[Path] = Field(None, description="JSONL with {\"prompt\": ...} lines; None = the packaged set")
+    calib_size: int = Field(64, ge=1, description="calibration prompts used for int8 / fp8")
+    calib_window: int = Field(128, ge=8, description="tokens per calibration run (prompts are packed into windows)")
+    smooth_quant: bool = Field(False, description="int8: SmoothQuant smoothing before quantizing (needs neural-compressor)")
+    kv_cache_dtype: KvCacheDtype = Field("auto", description="KV cache precision; fp8/int8 need an engine that stores it so")
+    budget: AccuracyBudget = Field(default_factory=AccuracyBudget)
+    accept_accuracy_loss: bool = Field(False, description="keep an engine that is over its accuracy budget")
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_size_is_a_power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"group size must be a power of 2 (MatMulNBits block size), got {v}")
+        return v
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.mode in ("int8", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class AccuracyReport:
+    mode: str
+    num_sequences: int
+    num_positions: int
+    ppl_ref: float
+    ppl_quant: float
+    ppl_rel_change: float
+    top1_agreement: float
+    mean_kl: float
+    max_kl: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)

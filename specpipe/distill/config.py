@@ -1,0 +1,83 @@
+"""`specpipe distill`'s config: what to train, on what data, with which budgets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from specpipe.config import THREADS, Strict, Threads
+
+
+DistillData = Literal["answers", "stdlib"]
+
+
+DistillDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class DistillConfig(Strict):
+    """`specpipe distill`: train a small draft for a target on CPU, toward the target's next-token distribution.
+
+    The time budget covers both phases: generating the target's answers to training prompts (a share
+    `data_fraction`, skipped when cached answers already used it) and training on them.
+    """
+
+    target: str
+    out: Path
+    layers: int = Field(2, ge=1, le=64, description="decoder layers of the draft (evenly spaced target layers to start)")
+    width: int = Field(
+        0, ge=0, description="hidden size of the draft; 0 = the target's: embedding, head and layers start as the "
+        "target's (narrower: projected onto the target's principal directions)"
+    )
+    minutes: float = Field(
+        12.0, gt=0, description="time budget in minutes: target answers + training; with --answer-tokens/--train-tokens "
+        "a cap on each phase (its share of the minutes), not the budget"
+    )
+    answer_tokens: Optional[int] = Field(
+        None, ge=1, description="work budget: generate target answers until they hold this many tokens (the same data "
+        "on any machine; default: as many as --minutes allows)"
+    )
+    train_tokens: Optional[int] = Field(
+        None, ge=1, description="work budget: train on this many tokens (the same training on any machine; default: "
+        "as many as --minutes allows)"
+    )
+    data_fraction: float = Field(0.6, ge=0.0, lt=1.0, description="share of --minutes for generating target answers")
+    seed: int = 0
+    data: list[DistillData] = Field(
+        default_factory=lambda: ["answers"], min_length=1,
+        description="answers: the target's own answers to training prompts; stdlib: Python standard library source",
+    )
+    prompts: Optional[Path] = Field(None, description='extra training prompts, JSONL lines with {"prompt": ...}')
+    max_answer_tokens: int = Field(160, ge=8, description="longest target answer generated for training")
+    answer_batch: int = Field(48, ge=1, description="prompts the target answers at once")
+    sample_temperature: float = Field(0.7, gt=0.0, description="temperature of answers after the greedy first pass")
+    teacher_top_k: int = Field(32, ge=1, description="target probabilities kept per position")
+    teacher_dtype: DistillDtype = Field(
+        "auto", description="precision the target answers in; auto: time each on this machine for a second, keep the faster"
+    )
+    train_dtype: DistillDtype = Field(
+        "auto", description="precision of the draft's training matmuls (autocast; weights stay fp32); auto: measured as above"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the target answers and the draft trains; "
+                                                   "auto: CUDA when torch sees a GPU")
+    lr: float = Field(1e-3, gt=0.0, description="peak learning rate (AdamW, cosine over the budget)")
+    batch_tokens: int = Field(4096, ge=64, description="tokens per training step")
+    negatives: int = Field(2048, ge=0, description="random vocabulary entries scored with the teacher's top-k each step")
+    checkpoint_every: int = Field(50, ge=1, description="steps between saved training states (for --resume)")
+    resume: bool = Field(False, description="continue a stopped run from OUT's saved training state")
+    force: bool = Field(False, description="replace an existing OUT")
+    threads: Threads = Field(THREADS, description="torch threads")
+    # ---- --kind: what is trained (specpipe/distill/eagle3.py for eagle3) ----
+    kind: Literal["model", "eagle3"] = Field(
+        "model", description="model: a small Llama draft (its own layers and embedding); eagle3: an EAGLE-3 head that "
+        "reads the target's hidden states (written in upstream's EAGLE-3 checkpoint format)"
+    )
+    feature_layers: Optional[list[int]] = Field(
+        None, description="eagle3: target layers whose outputs the head reads (0-based layer-output ids, SGLang / "
+        "TensorRT-LLM numbering); default 1, N/2-1, N-4"
+    )
+    head_vocab: int = Field(8192, ge=16, description="eagle3: draft vocabulary of the head (the most frequent answer tokens)")
+    ttt_steps: int = Field(3, ge=1, le=16, description="eagle3: training-time test, steps the head is unrolled on its own states")
+    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3: loss weight of unrolled step k is decay^k (normalized)")
+    warm_start: bool = Field(True, description="eagle3: start lm_head rows, final norm and MLP from the target's")
