@@ -11,21 +11,35 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from specpipe.builder import plan as _plan
-from specpipe.builder.config import BuildConfig
-from specpipe.builder.cpu import Progress, build_cpu
-from specpipe.builder.plan import GpuMemoryError, Plan, render_plan, write_plan_repository
-from specpipe.builder.run import run_plan
-from specpipe.builder.trtllm_manifest import plan_manifest
+if TYPE_CHECKING:
+    from specpipe.builder.config import BuildConfig
+    from specpipe.builder.cpu import Progress
+    from specpipe.builder.plan import Plan
+
+# Importing the package (for its config, say) loads no builder: the CLI's startup stays small. The names below
+# load their module when first used.
+_LAZY = {"GpuMemoryError": "plan", "Plan": "plan", "render_plan": "plan", "write_plan_repository": "plan",
+         "run_plan": "run"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"specpipe.builder.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["GpuMemoryError", "Plan", "build", "make_plan", "render_plan", "run_plan", "write_plan_repository"]
 
 
 def make_plan(cfg: BuildConfig) -> Plan:
     """The GPU build's plan (builder/plan.py); a TensorRT-LLM plan also holds the manifest its build writes last."""
+    from specpipe.builder import plan as _plan
+    from specpipe.builder.trtllm_manifest import plan_manifest
+
     plan = _plan.make_plan(cfg)
     if cfg.backend.kind == "trtllm":
         plan = plan.model_copy(update={"manifest": plan_manifest(plan, cfg)})
@@ -36,7 +50,12 @@ def build(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     """Build the pair with `cfg.backend`; returns engines/<name>. A GPU backend runs its plan (a dry run writes the
     plan's Triton repository and runs no step)."""
     if cfg.backend.kind == "onnxruntime":
+        from specpipe.builder.cpu import build_cpu
+
         return build_cpu(cfg, progress)
+    from specpipe.builder.plan import write_plan_repository
+    from specpipe.builder.run import run_plan
+
     plan = make_plan(cfg)
     if cfg.backend.dry_run:
         write_plan_repository(plan, cfg)
