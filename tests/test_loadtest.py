@@ -286,3 +286,23 @@ def test_a_level_run_in_halves_counts_every_request_and_averages_the_halves_stea
     assert None not in steady and steady[0] == pytest.approx(2 * steady[1])
     assert row["steady_tokens_per_s"] == pytest.approx((steady[0] + steady[1]) / 2)
     assert summarize_parts([fast]) == summarize_level(fast)
+
+
+def test_each_user_sends_its_own_share_however_late_it_starts(monkeypatch):
+    """A level of c users is c users: user n sends requests n, n + c, ... A late user (staggered, or slow to start on
+    a loaded machine) still sends its share; with a shared queue the first user drained all of them here."""
+    import specpipe.triton.client as client_module
+    from specpipe.triton.load import run_level
+
+    class InstantGeneration:  # the server's side, answered at once: user 0 is done before user 1 wakes
+        def __init__(self, url, tensors, **kwargs):
+            self.result = None
+
+        def __iter__(self):
+            self.result = {"total_ms": 1.0, "chunk_ms": [1.0], "chunk_tokens": [1]}
+            return iter(["x"])
+
+    monkeypatch.setattr(client_module, "RemoteGeneration", InstantGeneration)
+    level = run_level("127.0.0.1:1", "m", lambda index: {}, concurrency=2, requests=5, stagger_s=0.4)
+    assert [(r.index, r.stream) for r in level.records] == [(0, 0), (1, 1), (2, 0), (3, 1), (4, 0)]
+    assert all(r.error is None for r in level.records)

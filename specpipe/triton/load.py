@@ -70,7 +70,8 @@ class LevelRun:
 def run_level(url: str, model_name: str, make_request: RequestMaker, concurrency: int, requests: int, *,
               timeout_s: float = 600.0, server_pid: Optional[int] = None, rss_interval_s: float = 0.5,
               stagger_s: float = 0.0, on_done: Optional[Callable[[RequestRecord], None]] = None) -> LevelRun:
-    """`requests` requests (make_request(0), (1), ...) sent by `concurrency` closed-loop streaming users.
+    """`requests` requests (make_request(0), (1), ...) sent by `concurrency` closed-loop streaming users, each its
+    share (user n: requests n, n + concurrency, ...).
 
     With `stagger_s` > 0, user n sends its first request n * stagger_s / concurrency seconds after the level
     starts, instead of all users at once. Closed-loop users whose requests have equal lengths keep the phase they
@@ -81,18 +82,17 @@ def run_level(url: str, model_name: str, make_request: RequestMaker, concurrency
 
     from specpipe.triton.client import RemoteGeneration
 
-    next_index, lock = iter(range(requests)), threading.Lock()
+    lock = threading.Lock()
     records: list[RequestRecord] = []
+    users = min(concurrency, requests)
 
     def user(stream: int) -> None:
         client = grpcclient.InferenceServerClient(url)
         try:
             time.sleep(max(0.0, started + stream * stagger_s / concurrency - time.perf_counter()))
-            while True:
-                with lock:
-                    index = next(next_index, None)
-                if index is None:
-                    return
+            # User n sends requests n, n + users, n + 2 users, ...: each user its own share, one after another, so
+            # every user of the level is one (a shared queue let early users drain it before a late one started).
+            for index in range(stream, requests, users):
                 record = RequestRecord(index, stream, (time.perf_counter() - started) * 1e3)
                 try:
                     generation = RemoteGeneration(url, make_request(index), model_name=model_name,
@@ -112,12 +112,12 @@ def run_level(url: str, model_name: str, make_request: RequestMaker, concurrency
             client.close()
 
     with _memory_sampler(server_pid, rss_interval_s) as rss:
-        users = [threading.Thread(target=user, args=(n,), name=f"loadtest-user-{n}", daemon=True)
-                 for n in range(min(concurrency, requests))]
+        threads = [threading.Thread(target=user, args=(n,), name=f"loadtest-user-{n}", daemon=True)
+                   for n in range(users)]
         started = time.perf_counter()
-        for thread in users:
+        for thread in threads:
             thread.start()
-        for thread in users:
+        for thread in threads:
             thread.join()
         wall_s = time.perf_counter() - started
     return LevelRun(concurrency, sorted(records, key=lambda r: r.index), wall_s, rss)
