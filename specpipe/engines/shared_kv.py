@@ -263,8 +263,17 @@ class SlotSequence(EngineSequence):
         pad = max(0, min(batch.engine.min_rows - new_len, batch.engine.max_seq_len - past_len - new_len))
         batch._reserve(past_len + new_len + pad)
         views = [b[self.slot : self.slot + 1] for b in batch.buffers]  # contiguous: slot is the outer axis
-        logits = batch.engine.run(views, np.asarray([token_ids + token_ids[-1:] * pad]), np.array([past_len]))
+        ids, lengths = np.asarray([token_ids + token_ids[-1:] * pad]), np.array([past_len])
+        if self.features is None:
+            return batch.engine.run(views, ids, lengths)[0, :new_len]
+        logits, features = batch.engine.run_with_features(views, ids, lengths)
+        self.features = features[0, :new_len]
         return logits[0, :new_len]
+
+    def keep_features(self) -> None:
+        if not self.batch.engine.feature_layers:
+            raise EngineError(f"{self.batch.engine.folder} was exported without feature outputs")
+        self.features = np.zeros((0, 0), np.float32)
 
     def _truncate_cache(self, length: int) -> None:
         pass  # the buffer keeps stale entries past `length`; the next write overwrites them
