@@ -291,3 +291,75 @@ class MisplacedQSession(Eagle3DraftSession):
 def test_chi_square_catches_a_misplaced_q(markov, target, good):
     p_second, p_third, _ = second_and_third_pvalues(target, drafter_for(markov, target, good.head.folder, MisplacedQSession))
     assert min(p_second, p_third) < 0.001
+
+
+# --- generate / bench --draft HEAD on a built deployment ---
+
+
+@pytest.fixture(scope="module")
+def alone_build(tiny_target, tmp_path_factory):
+    """A tiny target-alone build, and a copy whose target graph also outputs the features of layer 0 (the tiny
+    target has 2 layers: layer 0's output is the only one that feeds another layer)."""
+    import shutil
+
+    from specpipe.build import build
+    from specpipe.config import BuildConfig
+    from specpipe.export.ortgenai_builder import run_model_builder
+
+    engines = tmp_path_factory.mktemp("alone")
+    plain = build(BuildConfig(target=str(tiny_target), draft="none", name="alone", engines_dir=engines, repo_dir=None))
+    featured = shutil.copytree(plain, engines / "featured")
+    run_model_builder(tiny_target, engines / "raw", "fp32", engines / "cache", feature_layers=(0,))
+    for name in ("model.onnx", "model.onnx.data"):
+        shutil.copy(engines / "raw" / name, featured / "target" / name)
+    meta = json.loads((featured / "target" / "engine.json").read_text())
+    (featured / "target" / "engine.json").write_text(json.dumps({**meta, "feature_layers": [0]}))
+    return SimpleNamespace(plain=plain, featured=featured)
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tiny_target, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from specpipe.checkpoint.eagle3 import head_config, write_eagle3_head
+    from specpipe.distill.eagle3 import make_head
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    head = make_head(model, feature_layers=(0,), draft_token_ids=torch.arange(0, model.config.vocab_size, 2),
+                     warm_start=True, seed=0)
+    return write_eagle3_head(tmp_path_factory.mktemp("tinyhead") / "head", head.state_dict(), head_config(head.shape))
+
+
+def test_cli_generate_and_bench_decode_with_a_head(alone_build, tiny_head, tmp_path):
+    from click.testing import CliRunner
+
+    from specpipe.cli import cli
+
+    runner = CliRunner()
+    args = ["generate", str(alone_build.featured), "-p", "def add(a, b):", "--max-tokens", "24", "--json"]
+    spec = runner.invoke(cli, args + ["--draft", str(tiny_head), "-k", "3"])
+    base = runner.invoke(cli, args + ["--no-speculative"])
+    assert spec.exit_code == 0 and base.exit_code == 0, spec.output + base.output
+    spec_out, base_out = json.loads(spec.output), json.loads(base.output)
+    assert spec_out["token_ids"] == base_out["token_ids"]
+    assert spec_out["drafted"] > 0
+
+    report = tmp_path / "bench.json"
+    result = runner.invoke(cli, ["bench", str(alone_build.featured), "--draft", str(tiny_head), "-k", "1,2",
+                                 "--max-prompts", "1", "--max-new-tokens", "12", "--no-peer", "--warmup-prompts", "0",
+                                 "--json-out", str(report)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(report.read_text())["sets"][0]["rows"]
+    speculative = [row for row in rows if row["kind"] == "speculative"]
+    assert {row["strategy"] for row in speculative} == {"eagle3-head"} and len(speculative) == 3  # K=1, 2, adaptive
+    assert all(row["matches_target"] == row["prompts"] for row in speculative), speculative
+
+
+def test_cli_refuses_a_head_the_target_has_no_features_for(alone_build, tiny_head, capsys):
+    from specpipe.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(alone_build.plain), "-p", "hi", "--draft", str(tiny_head)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "outputs no features" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
