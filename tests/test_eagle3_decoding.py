@@ -363,3 +363,115 @@ def test_cli_refuses_a_head_the_target_has_no_features_for(alone_build, tiny_hea
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "outputs no features" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# --- the batching scheduler: rows' features come back from batched prefill, decode and verify calls ---
+
+BATCH_CFGS = [
+    GenerationConfig(max_new_tokens=30, stop_on_eos=False, draft_length="fixed", num_draft_tokens=3),
+    GenerationConfig(max_new_tokens=25, stop_on_eos=False),  # adaptive: the planner decides
+    GenerationConfig(max_new_tokens=40, stop_on_eos=False, speculative=False),
+    GenerationConfig(max_new_tokens=20, stop_on_eos=False, draft_length="fixed", num_draft_tokens=1),
+    GenerationConfig(max_new_tokens=30, stop_on_eos=False, draft_length="fixed", num_draft_tokens=2, seed=3,
+                     sampling=SamplingConfig(temperature=0.9)),
+]
+BATCH_PROMPTS = [PROMPTS[0], list(range(60, 100)), [9, 8, 7], PROMPTS[1], list(range(120, 137))]
+
+
+def run_batched(scheduler, prompts, cfgs):
+    """Each request read on its own thread, request i sent once request i-1 has tokens (joins mid-flight)."""
+    import threading
+
+    outputs, stats = [None] * len(prompts), [SpecStats() for _ in prompts]
+    started = [threading.Event() for _ in prompts]
+
+    def read(i):
+        if i:
+            started[i - 1].wait(30)
+        tokens = []
+        try:
+            for step in scheduler.decode(prompts[i], cfgs[i], stats[i]):
+                tokens += step
+                started[i].set()
+            outputs[i] = tokens
+        finally:
+            started[i].set()
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return outputs, stats
+
+
+def batched_drafts_match_alone(target, drafter) -> bool:
+    """Run BATCH_CFGS through a 3-slot scheduler; True when every fixed-K request drafted and accepted exactly what
+    the single-request decoder does, and every output is the target's (asserted)."""
+    from specpipe.speculative.batching import BatchScheduler
+
+    scheduler = BatchScheduler(target, drafter, [], None, max_batch_size=3, max_queue=16, prefill_chunk=16)
+    outputs, stats = run_batched(scheduler, BATCH_PROMPTS, BATCH_CFGS)
+    decoder, alone = SpeculativeDecoder(target, drafter), SpeculativeDecoder(target, None)
+    same = True
+    for prompt, cfg, out, batched in zip(BATCH_PROMPTS, BATCH_CFGS, outputs, stats):
+        assert out is not None and len(out) == cfg.max_new_tokens
+        single = SpecStats()
+        reference = sum(decoder.decode(prompt, cfg, single), [])
+        if cfg.draft_length == "fixed":
+            same = same and out == reference and (batched.drafted_at, batched.accepted_at) == (single.drafted_at,
+                                                                                                single.accepted_at)
+        if cfg.sampling.greedy:
+            base = sum(alone.decode(prompt, cfg.model_copy(update={"speculative": False}), SpecStats()), [])
+            divergence = compare_greedy(target, prompt, out, base, near_tie_tolerance("none"))
+            assert divergence is None or divergence.near_tie, divergence
+    drafted = sum(s.drafted for s in stats)
+    assert drafted > 0
+    return same and sum(s.accepted for s in stats) / drafted > 0.3
+
+
+@pytest.mark.timing
+def test_batched_requests_draft_and_decode_as_alone(target, good):
+    """Requests that join a running batch (chunked prefill, batched decode rows, verify rows) draft from the same
+    features as alone: fixed-K requests draft and accept exactly what the single-request decoder does, and
+    every output equals the target's alone."""
+    assert batched_drafts_match_alone(target, good)
+
+
+def batched_features_match_alone(target) -> bool:
+    """Rows that keep features get, from a batched prefill and a batched decode, the features each gets alone; a
+    row that does not keep them gets none."""
+    prompts, tokens = [PROMPTS[0], PROMPTS[2][:9], [3, 4]], [11, 12, 13]
+    batch = target.new_batch(3)
+    rows = [batch.new_sequence() for _ in prompts]
+    rows[0].keep_features()
+    rows[1].keep_features()
+    batch.prefill(rows, prompts)
+    prefilled = [row.features for row in rows]
+    batch.decode(rows, tokens)
+    decoded = [row.features for row in rows]
+    assert prefilled[2] is None and decoded[2] is None
+    same = True
+    for i in range(2):
+        alone = target.new_sequence()
+        alone.keep_features()
+        alone.append(prompts[i])
+        same = same and prefilled[i].shape == alone.features.shape and np.allclose(prefilled[i], alone.features, atol=1e-4)
+        alone.append([tokens[i]])
+        same = same and decoded[i].shape == alone.features.shape and np.allclose(decoded[i], alone.features, atol=1e-4)
+    return same
+
+
+def test_batched_calls_give_each_row_its_features(target):
+    assert batched_features_match_alone(target)
+
+
+def test_planted_bug_rows_getting_each_others_features_fails(target, monkeypatch):
+    real = type(target).run_with_features
+
+    def swapped(self, buffers, input_ids, lengths, preempt=None, new_lengths=None):
+        logits, features = real(self, buffers, input_ids, lengths, preempt, new_lengths)
+        return logits, np.roll(features, 1, axis=0) if len(features) > 1 else features
+
+    monkeypatch.setattr(type(target), "run_with_features", swapped)
+    assert not batched_features_match_alone(target)

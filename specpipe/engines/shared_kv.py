@@ -196,7 +196,14 @@ class KVBatch(EngineBatch):
         for row, token in zip(rows, token_ids):
             ids[row.slot, 0] = int(token)
         self._reserve(int(lengths.max()) + 1)
-        logits = self.engine.run([b[:n] for b in self.buffers], ids, lengths, preempt)
+        views = [b[:n] for b in self.buffers]
+        if any(row.features is not None for row in rows):  # a row whose drafter reads features (EAGLE-3)
+            logits, features = self.engine.run_with_features(views, ids, lengths, preempt)
+            for row in rows:
+                if row.features is not None:
+                    row.features = features[row.slot, :1]
+        else:
+            logits = self.engine.run(views, ids, lengths, preempt)
         for row, token in zip(rows, token_ids):  # only now: a stopped call leaves every row as it was
             row.tokens.append(int(token))
         return logits[[row.slot for row in rows], 0]
@@ -224,8 +231,14 @@ class KVBatch(EngineBatch):
                 ids[j] = list(prompts[i]) + [prompts[i][-1]] * (ids.shape[1] - sizes[j])
             self._reserve(ids.shape[1])
             first = rows[run[0]].slot
-            out = self.engine.run([b[first : first + len(run)] for b in self.buffers], ids,
-                                  np.zeros(len(run), np.int64), new_lengths=sizes)
+            views, lengths = [b[first : first + len(run)] for b in self.buffers], np.zeros(len(run), np.int64)
+            if any(rows[i].features is not None for i in run):  # a row whose drafter reads features (EAGLE-3)
+                out, features = self.engine.run_with_features(views, ids, lengths, new_lengths=sizes)
+                for j, i in enumerate(run):
+                    if rows[i].features is not None:
+                        rows[i].features = features[j, : sizes[j]]
+            else:
+                out = self.engine.run(views, ids, lengths, new_lengths=sizes)
             logits[run] = out[np.arange(len(run)), sizes - 1]
         for row, prompt in zip(rows, prompts):
             row.tokens.extend(int(t) for t in prompt)
