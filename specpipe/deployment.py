@@ -71,7 +71,7 @@ def eagle3_drafter(head_folder: Path, target: Engine, target_folder: Path) -> Ea
 
     if read_eagle3_head(str(head_folder)) is None:
         raise UsageError(f"--draft {head_folder} is not an EAGLE-3 head (config.json naming LlamaForCausalLMEagle3)")
-    head = Eagle3HeadEngine(head_folder, target_embedding(target_folder))
+    head = Eagle3HeadEngine(head_folder, target_embedding(target_folder), dtype="auto")  # bf16 where the CPU has it
     check_pairing(head, getattr(target, "feature_layers", ()), target.vocab_size, target_folder)
     return Eagle3Drafter(head, target.vocab_size)
 

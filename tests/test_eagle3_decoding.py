@@ -131,10 +131,10 @@ def target(markov):
     return SharedKVEngine(markov.engine, threads=1)
 
 
-def drafter_for(markov, target, head_folder: Path, session_class=Eagle3DraftSession) -> Eagle3Drafter:
+def drafter_for(markov, target, head_folder: Path, session_class=Eagle3DraftSession, dtype="float32") -> Eagle3Drafter:
     from specpipe.engines.eagle3_head import Eagle3HeadEngine, check_pairing, target_embedding
 
-    head = Eagle3HeadEngine(head_folder, target_embedding(markov.engine))
+    head = Eagle3HeadEngine(head_folder, target_embedding(markov.engine), dtype=dtype)
     check_pairing(head, target.feature_layers, target.vocab_size)
     drafter = Eagle3Drafter(head, target.vocab_size)
     if session_class is not Eagle3DraftSession:
@@ -177,6 +177,21 @@ def test_greedy_output_is_the_target_alone(target, good, k):
         assert divergence is None or divergence.near_tie, divergence
         assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted
         assert base_stats.drafted == 0
+
+
+def test_a_bf16_head_computes_nearly_the_same_and_stays_lossless(markov, target, good):
+    """dtype bfloat16: the head's matrices in bf16, its logits within bf16 rounding of fp32's; decoding is exact."""
+    bf16 = drafter_for(markov, target, good.head.folder, dtype="bfloat16")
+    rows = np.random.default_rng(0).standard_normal((5, good.head.feature_width)).astype(np.float32)
+    (full, _), (half, _) = (d.head.context_rows(d.head.new_cache(), [5, 6, 7, 8, 9], rows) for d in (good, bf16))
+    assert np.abs(full - half).max() <= 0.05 * np.abs(full).max()
+    decoder, alone = SpeculativeDecoder(target, bf16), SpeculativeDecoder(target, None)
+    for prompt in PROMPTS:
+        spec, _ = greedy(decoder, prompt, 3)
+        base, _ = greedy(alone, prompt, 3, speculative=False)
+        divergence = compare_greedy(target, prompt, spec, base, near_tie_tolerance("none"))
+        assert divergence is None or divergence.near_tie, divergence
+    assert acceptance(target, bf16) > 0.6
 
 
 def test_head_predicts_the_target(target, good):
