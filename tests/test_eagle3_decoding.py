@@ -368,6 +368,8 @@ def test_cli_generate_and_bench_decode_with_a_head(alone_build, tiny_head, tmp_p
     speculative = [row for row in rows if row["kind"] == "speculative"]
     assert {row["strategy"] for row in speculative} == {"eagle3-head"} and len(speculative) == 3  # K=1, 2, adaptive
     assert all(row["matches_target"] == row["prompts"] for row in speculative), speculative
+    by_position = {row["label"]: row["acceptance_by_position"] for row in speculative}
+    assert len(by_position["K=2"]) == 2 and all(0 <= a <= 1 for a in by_position["K=2"])
 
 
 def test_cli_refuses_a_head_the_target_has_no_features_for(alone_build, tiny_head, capsys):

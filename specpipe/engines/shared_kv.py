@@ -286,7 +286,7 @@ class SlotSequence(EngineSequence):
     def keep_features(self) -> None:
         if not self.batch.engine.feature_layers:
             raise EngineError(f"{self.batch.engine.folder} was exported without feature outputs")
-        self.features = np.zeros((0, 0), np.float32)
+        self.features = np.zeros((0, 0), np.float32)  # not None: the next call binds the features output
 
     def _truncate_cache(self, length: int) -> None:
         pass  # the buffer keeps stale entries past `length`; the next write overwrites them
