@@ -10,11 +10,12 @@ from specpipe.config import THREADS
 from specpipe.contract.costs import StepCosts
 from specpipe.contract.drafts import parse_draft_schedule
 from specpipe.contract.generation import GenerationConfig
-from specpipe.contract.manifest import DraftEntry, Manifest, ServingRecord, read_manifest
+from specpipe.contract.manifest import DraftEntry, Manifest, read_manifest
 from specpipe.engines import Engine, load_engine
-from specpipe.errors import EngineError
+from specpipe.errors import EngineError, UsageError
 from specpipe.speculative.batching import BatchScheduler
 from specpipe.speculative.drafters import Drafter, ModelDrafter
+from specpipe.speculative.eagle3 import DEFAULT_HEAD_DRAFT_COST, Eagle3Drafter
 from specpipe.speculative.generator import SpecGenerator
 from specpipe.speculative.ngram import NgramDrafter
 
@@ -64,6 +65,19 @@ def make_drafter(folder: Path, draft: DraftEntry, target: Engine, threads: int) 
     return ModelDrafter(load_engine(folder / draft.engine.path, threads=threads), target.vocab_size)
 
 
+def eagle3_drafter(head_folder: Path, target: Engine, target_folder: Path) -> Eagle3Drafter:
+    """An EAGLE-3 head (upstream's format) drafting for `target`, whose engine must output the head's feature
+    layers (export/features.py). The head reads the target's input embedding from the target's graph."""
+    from specpipe.checkpoint.eagle3 import read_eagle3_head
+    from specpipe.engines.eagle3_head import Eagle3HeadEngine, check_pairing, target_embedding
+
+    if read_eagle3_head(str(head_folder)) is None:
+        raise UsageError(f"--draft {head_folder} is not an EAGLE-3 head (config.json naming LlamaForCausalLMEagle3)")
+    head = Eagle3HeadEngine(head_folder, target_embedding(target_folder), dtype="auto")  # bf16 where the CPU has it
+    check_pairing(head, getattr(target, "feature_layers", ()), target.vocab_size, target_folder)
+    return Eagle3Drafter(head, target.vocab_size)
+
+
 def make_scheduler(target: Engine, drafter: Optional[Drafter], eos_token_ids, costs: Optional[StepCosts],
                    manifest: Manifest) -> BatchScheduler:
     """The continuous-batching scheduler with the build's limits, schedule and measured batch costs."""
@@ -77,10 +91,12 @@ def make_scheduler(target: Engine, drafter: Optional[Drafter], eos_token_ids, co
 
 
 def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: bool = False,
-                    max_batch_size: Optional[int] = None, max_queue: Optional[int] = None) -> Deployment:
+                    max_batch_size: Optional[int] = None, max_queue: Optional[int] = None,
+                    head: Optional[Path] = None) -> Deployment:
     """`batching`: requests decode together (speculative/batching.py) up to the build's max_batch_size (or
     `max_batch_size`, with `max_queue`, when given: the Triton model's parameters); the served model asks for
-    it. Otherwise each generation decodes alone (generate, bench, gate in process)."""
+    it. Otherwise each generation decodes alone (generate, bench, gate in process).
+    `head`: an EAGLE-3 head folder that drafts instead of the manifest's draft (`generate`/`bench --draft`)."""
     from transformers import AutoTokenizer
 
     folder = Path(folder)
@@ -92,7 +108,12 @@ def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: boo
     tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest.tokenizer.path))
     # Builds record how the target must run for a 1-token step to score like a verify row (engines/onnxruntime.py).
     target = load_engine(folder / manifest.target.engine.path, threads=threads, min_rows=manifest.target.min_rows_per_call)
-    drafter = make_drafter(folder, manifest.draft, target, threads)
+    step_costs = manifest.step_costs
+    if head is not None:
+        drafter = eagle3_drafter(Path(head), target, folder / manifest.target.engine.path)
+        step_costs = StepCosts(DEFAULT_HEAD_DRAFT_COST, step_costs.verify_per_token) if step_costs else None
+    else:
+        drafter = make_drafter(folder, manifest.draft, target, threads)
     overrides = {**({"max_batch_size": max_batch_size} if max_batch_size else {}),
                  **({"max_queue": max_queue} if max_queue is not None and max_queue >= 0 else {})}
     if overrides:
@@ -100,7 +121,7 @@ def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: boo
     decoder = None
     if batching and manifest.serving.max_batch_size > 1:
         eos = manifest.eos_token_ids or [tokenizer.eos_token_id]
-        decoder = make_scheduler(target, drafter, eos, manifest.step_costs, manifest)
+        decoder = make_scheduler(target, drafter, eos, step_costs, manifest)
     # step_costs None (built before they were measured): the drafter's defaults
-    generator = SpecGenerator(target, drafter, tokenizer, manifest.eos_token_ids, manifest.step_costs, decoder=decoder)
+    generator = SpecGenerator(target, drafter, tokenizer, manifest.eos_token_ids, step_costs, decoder=decoder)
     return Deployment(folder, manifest, tokenizer, target, drafter, generator)

@@ -28,6 +28,8 @@ class BenchConfig(Strict):
     draft_lengths: list[int] = Field(default_factory=lambda: list(range(1, 9)), min_length=1,
                                      description="fixed K values to run")
     adaptive: bool = Field(True, description="also run the default adaptive draft length")
+    head: Optional[Path] = Field(None, description="an EAGLE-3 head folder that drafts instead of the deployment's "
+                                 "draft (the target engine must output the head's feature layers)")
     peers: list[PeerName] = Field(
         default_factory=lambda: ["hf"],
         description="other engines to run on the same pair, prompts and settings: hf, openvino, ortgenai, llamacpp",

@@ -41,6 +41,8 @@ class Measurement:
     draft_ms: Optional[float] = None
     target_ms: Optional[float] = None
     token_ids: list[int] = field(default_factory=list, repr=False)
+    drafted_at: Optional[list[int]] = None  # per draft position: blocks that drafted it (SpecStats)
+    accepted_at: Optional[list[int]] = None  # ... and that accepted it
 
     @property
     def tokens_per_s(self) -> float:
@@ -80,6 +82,7 @@ class SpecRow:
             prompt_id="", num_generated=result.num_generated, total_ms=result.total_ms, ttft_ms=result.ttft_ms,
             drafted=stats.drafted, accepted=stats.accepted, steps=stats.steps, emitted=stats.emitted,
             draft_ms=stats.draft_s * 1e3, target_ms=stats.target_s * 1e3, token_ids=list(result.token_ids),
+            drafted_at=list(stats.drafted_at), accepted_at=list(stats.accepted_at),
         )
 
 
@@ -119,6 +122,7 @@ def summarize(label: str, kind: str, k: Optional[int], runs: list[Measurement], 
         "acceptance_rate": (sum(m.accepted or 0 for m in runs) / drafted if drafted else (0.0 if has_stats else None)),
         "mean_accepted_len": (sum(m.emitted or 0 for m in runs) / steps if steps else None) if has_stats else None,
         "draft_ms_share": _share(runs),
+        "acceptance_by_position": _by_position(runs),
         "speedup": None,
         "speedup_per_prompt_median": None,
         "matches_target": None,
@@ -130,6 +134,20 @@ def summarize(label: str, kind: str, k: Optional[int], runs: list[Measurement], 
         row["speedup_per_prompt_median"] = statistics.median(ratios) if ratios else None
         row["matches_target"] = sum(m.token_ids == b.token_ids for m, b in zip(runs, baseline) if m.token_ids)
     return row
+
+
+def _by_position(runs: list[Measurement]) -> Optional[list[float]]:
+    """Share of draft blocks that accepted position i (1-based i+1), over every prompt: chain acceptance, so
+    position i counts only blocks whose positions before it were accepted too (SpecStats.accepted_at)."""
+    if not any(m.drafted_at for m in runs):
+        return None
+    width = max(len(m.drafted_at or []) for m in runs)
+    drafted, accepted = [0] * width, [0] * width
+    for m in runs:
+        for i, (d, a) in enumerate(zip(m.drafted_at or [], m.accepted_at or [])):
+            drafted[i] += d
+            accepted[i] += a
+    return [a / d if d else None for a, d in zip(accepted, drafted)]
 
 
 def _share(runs: list[Measurement]) -> Optional[float]:

@@ -19,7 +19,7 @@ from specpipe.speculative.ngram import copy_ceiling
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 # The deployment's draft kind (manifest "draft.kind") -> what its speculative rows draft with.
-STRATEGY_OF_DRAFT = {"model": "draft-model", "ngram": "prompt-lookup", "self": "self-draft"}
+STRATEGY_OF_DRAFT = {"model": "draft-model", "ngram": "prompt-lookup", "self": "self-draft", "eagle3": "eagle3-head"}
 
 
 def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
@@ -34,13 +34,13 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
         raise UsageError(f"{cfg.engine_dir} is not a built deployment (no manifest.json); run `specpipe build` first")
     prompt_sets = load_prompt_sets(cfg.prompts, list(cfg.prompt_sets), cfg.max_prompts)
     torch.set_num_threads(cfg.threads)
-    deployment = load_deployment(cfg.engine_dir, threads=cfg.threads)
+    deployment = load_deployment(cfg.engine_dir, threads=cfg.threads, head=cfg.head)
     too_long = [k for k in cfg.draft_lengths if k > deployment.max_draft_len]
     if too_long:
         raise UsageError(f"-k {too_long}: this deployment was built for K <= {deployment.max_draft_len}")
 
     generator = deployment.generator
-    strategy = STRATEGY_OF_DRAFT.get(deployment.manifest.draft.kind, "draft-model")
+    strategy = STRATEGY_OF_DRAFT.get("eagle3" if cfg.head else deployment.manifest.draft.kind, "draft-model")
     rows = spec_rows(generator, cfg.draft_lengths if deployment.drafter is not None else [],
                      cfg.adaptive and deployment.drafter is not None, make_config=deployment.generation_config,
                      strategy=strategy)

@@ -34,6 +34,8 @@ def parse_draft_lengths(text: str, option: str = "-k") -> list[int]:
               help="Packaged prompt set (repeatable). Default: code and chat, unless --prompts is given.")
 @click.option("-k", "--draft-lengths", default=_DRAFT_LENGTHS, show_default=True, help="Fixed K values: a range 1..8 or a list 1,2,4.")
 @click.option("--no-adaptive", is_flag=True, help="Skip the adaptive-K row.")
+@click.option("--draft", "head", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              help=field_help(BenchConfig, "head") + ".")
 @click.option("--peer", "peer_names", default=",".join(field_default(BenchConfig, "peers")), show_default=True,
               help="Peers to run beside specpipe: a list of hf, openvino, ortgenai, llamacpp, or all / none. "
                    "openvino and ortgenai need `pip install 'specpipe[peers]'`, llamacpp 'specpipe[peers-llamacpp]'; "
@@ -51,7 +53,7 @@ def parse_draft_lengths(text: str, option: str = "-k") -> list[int]:
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help="Also write the JSON results to this file.")
 @click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write a PNG: speedup and acceptance vs K, tokens/s per engine.")
-def bench(engine_dir, prompt_files, prompt_sets, draft_lengths, no_adaptive, peer_names, peer_draft_lengths, no_peer,
+def bench(engine_dir, prompt_files, prompt_sets, draft_lengths, no_adaptive, head, peer_names, peer_draft_lengths, no_peer,
           max_new_tokens, threads, max_prompts, warmup_prompts, no_chat, as_json, json_out, plot) -> None:
     """Benchmark ENGINE_DIR (engines/NAME): target-only, speculative K=1..8 and adaptive, and the peers (other
     engines on the same pair), on the same prompts in one run; tokens/s, TTFT, acceptance, speedup."""
@@ -64,7 +66,7 @@ def bench(engine_dir, prompt_files, prompt_sets, draft_lengths, no_adaptive, pee
     from specpipe.bench.report import print_tables
 
     cfg = make_config(BenchConfig, engine_dir=engine_dir, prompts=list(prompt_files), prompt_sets=list(prompt_sets),
-                      draft_lengths=parse_draft_lengths(draft_lengths), adaptive=not no_adaptive,
+                      draft_lengths=parse_draft_lengths(draft_lengths), adaptive=not no_adaptive, head=head,
                       peers=[] if no_peer else parse_peers(peer_names),
                       peer_draft_lengths=parse_draft_lengths(peer_draft_lengths, "--peer-k") if peer_draft_lengths else None,
                       max_new_tokens=max_new_tokens, threads=threads, chat=not no_chat, max_prompts=max_prompts,

@@ -31,11 +31,14 @@ from specpipe.errors import UsageError
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--threads", type=int, default=field_default(RuntimeConfig, "threads"), show_default=True,
               help=field_help(RuntimeConfig, "threads") + ".")
+@click.option("--draft", "head", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              help="An EAGLE-3 head folder to draft with instead of the deployment's draft (in-process; the target "
+                   "engine must output the head's feature layers).")
 @click.option("--url", default=None, help="Triton gRPC address (e.g. 127.0.0.1:8001) instead of ENGINE_DIR.")
 @click.option("--stream", is_flag=True, help="Print text as it is accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
 def generate(engine_dir: Optional[Path], prompt, chat, max_tokens, num_draft_tokens, no_speculative, temperature, top_k,
-             top_p, seed, stop, threads, url, stream, as_json) -> None:
+             top_p, seed, stop, threads, head, url, stream, as_json) -> None:
     """Generate text with speculative decoding from ENGINE_DIR (engines/NAME) or a server (--url)."""
     sampling = make_config(SamplingConfig, temperature=temperature, top_k=top_k, top_p=top_p)
     fixed_k = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens, "draft_length": "fixed"}
@@ -44,6 +47,8 @@ def generate(engine_dir: Optional[Path], prompt, chat, max_tokens, num_draft_tok
     runtime = make_config(RuntimeConfig, threads=threads)
     if (engine_dir is None) == (url is None):
         raise UsageError("give either ENGINE_DIR or --url")
+    if head is not None and url is not None:
+        raise UsageError("--draft runs in-process: give ENGINE_DIR, not --url")
     if url is not None:
         from specpipe.triton.client import remote_generate
 
@@ -55,7 +60,7 @@ def generate(engine_dir: Optional[Path], prompt, chat, max_tokens, num_draft_tok
     else:
         from specpipe.deployment import load_deployment
 
-        deployment = load_deployment(engine_dir, threads=runtime.threads)
+        deployment = load_deployment(engine_dir, threads=runtime.threads, head=head)
         cfg = deployment.generation_config(**cfg.model_dump())
         generation = deployment.generator.start(deployment.generator.encode(prompt, chat), cfg)
         for chunk in generation:

@@ -28,6 +28,13 @@ class EngineSequence(ABC):
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        # After keep_features(): [new tokens, F] the target features of the last call's positions (EAGLE-3 heads).
+        self.features: Optional[np.ndarray] = None
+
+    def keep_features(self) -> None:
+        """From now on every call also keeps its positions' target features in `features` (an engine exported
+        with feature layers, export/features.py). Without this call no call computes them."""
+        raise EngineError(f"{type(self).__name__} outputs no target features")
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -196,7 +196,14 @@ class KVBatch(EngineBatch):
         for row, token in zip(rows, token_ids):
             ids[row.slot, 0] = int(token)
         self._reserve(int(lengths.max()) + 1)
-        logits = self.engine.run([b[:n] for b in self.buffers], ids, lengths, preempt)
+        views = [b[:n] for b in self.buffers]
+        if any(row.features is not None for row in rows):  # a row whose drafter reads features (EAGLE-3)
+            logits, features = self.engine.run_with_features(views, ids, lengths, preempt)
+            for row in rows:
+                if row.features is not None:
+                    row.features = features[row.slot, :1]
+        else:
+            logits = self.engine.run(views, ids, lengths, preempt)
         for row, token in zip(rows, token_ids):  # only now: a stopped call leaves every row as it was
             row.tokens.append(int(token))
         return logits[[row.slot for row in rows], 0]
@@ -224,8 +231,14 @@ class KVBatch(EngineBatch):
                 ids[j] = list(prompts[i]) + [prompts[i][-1]] * (ids.shape[1] - sizes[j])
             self._reserve(ids.shape[1])
             first = rows[run[0]].slot
-            out = self.engine.run([b[first : first + len(run)] for b in self.buffers], ids,
-                                  np.zeros(len(run), np.int64), new_lengths=sizes)
+            views, lengths = [b[first : first + len(run)] for b in self.buffers], np.zeros(len(run), np.int64)
+            if any(rows[i].features is not None for i in run):  # a row whose drafter reads features (EAGLE-3)
+                out, features = self.engine.run_with_features(views, ids, lengths, new_lengths=sizes)
+                for j, i in enumerate(run):
+                    if rows[i].features is not None:
+                        rows[i].features = features[j, : sizes[j]]
+            else:
+                out = self.engine.run(views, ids, lengths, new_lengths=sizes)
             logits[run] = out[np.arange(len(run)), sizes - 1]
         for row, prompt in zip(rows, prompts):
             row.tokens.extend(int(t) for t in prompt)
@@ -263,8 +276,17 @@ class SlotSequence(EngineSequence):
         pad = max(0, min(batch.engine.min_rows - new_len, batch.engine.max_seq_len - past_len - new_len))
         batch._reserve(past_len + new_len + pad)
         views = [b[self.slot : self.slot + 1] for b in batch.buffers]  # contiguous: slot is the outer axis
-        logits = batch.engine.run(views, np.asarray([token_ids + token_ids[-1:] * pad]), np.array([past_len]))
+        ids, lengths = np.asarray([token_ids + token_ids[-1:] * pad]), np.array([past_len])
+        if self.features is None:
+            return batch.engine.run(views, ids, lengths)[0, :new_len]
+        logits, features = batch.engine.run_with_features(views, ids, lengths)
+        self.features = features[0, :new_len]
         return logits[0, :new_len]
+
+    def keep_features(self) -> None:
+        if not self.batch.engine.feature_layers:
+            raise EngineError(f"{self.batch.engine.folder} was exported without feature outputs")
+        self.features = np.zeros((0, 0), np.float32)  # not None: the next call binds the features output
 
     def _truncate_cache(self, length: int) -> None:
         pass  # the buffer keeps stale entries past `length`; the next write overwrites them

@@ -78,6 +78,7 @@ class _Request:
     rng: Optional[np.random.Generator] = None
     cancelled: bool = False
     joins: int = 0  # the batched step (a count of steps done) it first takes part in (`_started`)
+    features_from: int = 0  # first position its row's last target call ran (`_observe_features`)
 
 
 class BatchScheduler:
@@ -179,6 +180,8 @@ class BatchScheduler:
         request.row = self.batch.new_sequence()
         speculating = request.cfg.speculative and self.drafter is not None
         request.draft = self.drafter.new_request(request.cfg) if speculating else None
+        if speculating and self.drafter.reads_features:
+            request.row.keep_features()  # its target calls also give the features its drafter reads (EAGLE-3)
         request.draft_len = draft_length_policy(request.cfg, self.costs)
         if self.prior_acceptance is not None and hasattr(request.draft_len, "start_from"):
             request.draft_len.start_from(self.prior_acceptance)
@@ -218,6 +221,8 @@ class BatchScheduler:
         for i, proposal in enumerate(proposals):
             if proposal.tokens:
                 target_logits[i] = ready[i].row.append([ready[i].context[-1], *proposal.tokens])  # [K+1, vocab]
+        for request in ready:
+            request.features_from = len(request.context) - 1  # this step's call ran from the last context token
         t2 = time.perf_counter()
 
         self.steps_run += 1
@@ -277,6 +282,7 @@ class BatchScheduler:
         request.row.truncate(len(request.context) + verdict.accepted_len)
         request.context += emitted
         request.produced += len(emitted)
+        self._observe_features(request, len(request.context) - 1)  # all but the newest token are context
         request.out.put(emitted)
         ended = request.produced >= request.cfg.max_new_tokens or self._room(request) < 0
         if ended or (request.cfg.stop_on_eos and emitted[-1] in request.eos_token_ids):
@@ -298,6 +304,7 @@ class BatchScheduler:
             t0 = time.perf_counter()
             logits = self.batch.prefill([r.row for r in whole], [r.context for r in whole])
             for i, request in enumerate(whole):
+                request.features_from = 0
                 self._started(request, logits[i : i + 1], time.perf_counter() - t0)
             budget -= taken
         for request in [r for r in new if r not in whole]:
@@ -308,8 +315,18 @@ class BatchScheduler:
             t0 = time.perf_counter()
             logits = request.row.append(request.context[start : start + take])
             budget -= take
+            request.features_from = start
             if start + take == len(request.context):
                 self._started(request, logits[-1:], time.perf_counter() - t0)
+            else:
+                self._observe_features(request, start + take)
+
+    def _observe_features(self, request: _Request, context_positions: int) -> None:
+        """Hand a drafter that reads features (EAGLE-3) those of the positions its row's last target call ran,
+        from `request.features_from`, that are context: the positions before `context_positions`."""
+        if request.draft is not None and self.drafter.reads_features:
+            first = request.features_from
+            request.draft.observe_features(first, request.row.features[: context_positions - first])
 
     def _started(self, request: _Request, logits: np.ndarray, target_s: float) -> None:
         """A request's first token, from its prompt's last logits [1, vocab]. It joins the batched steps at the

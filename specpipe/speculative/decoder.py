@@ -3,6 +3,8 @@
 Each step: (1) the draft proposes K tokens; (2) the target scores the last context token and all K
 drafts in one call; (3) drafts are accepted or rejected, and one recovered or bonus token is added.
 Target-only decoding is the same loop with nothing drafted, so the baseline runs the same engine code.
+A drafter that reads the target's hidden states (EAGLE-3, speculative/eagle3.py) is told the features of the
+positions each target call verified; only then does the target compute them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class SpeculativeDecoder:
         rng = np.random.default_rng(cfg.seed)
         target = self.target.new_sequence()
         draft = self.drafter.new_request(cfg) if (cfg.speculative and self.drafter is not None) else None
+        reads_features = draft is not None and self.drafter.reads_features
+        if reads_features:
+            target.keep_features()
         draft_len = draft_length_policy(cfg, self.costs)  # fixed K, or K adapted to this request
         context, produced = list(prompt_ids), 0
         while produced < cfg.max_new_tokens:
@@ -55,7 +60,8 @@ class SpeculativeDecoder:
             # 2. Verify: one target call on [last context token, x_1..x_k] gives p for K+1 positions.
             #    (The cache may already hold the last context token, if it equals a rejected draft: drop it.)
             target.truncate(min(len(target), len(context) - 1))
-            target_logits = target.sync(context + proposal.tokens)[-(len(proposal.tokens) + 1) :]
+            computed = target.sync(context + proposal.tokens)  # logits of the positions this call ran
+            target_logits = computed[-(len(proposal.tokens) + 1) :]
             t2 = time.perf_counter()
 
             # 3. Accept each x_i with min(1, p/q); resample the first rejection from norm(max(0, p - q));
@@ -74,6 +80,9 @@ class SpeculativeDecoder:
             stats.target_s += t2 - t1
             context += emitted
             produced += len(emitted)
+            if reads_features:  # the features of the positions that became context: all but the newest token
+                first = len(target) - len(computed)
+                draft.observe_features(first, target.features[: len(context) - 1 - first])
             yield emitted
             if cfg.stop_on_eos and emitted[-1] in eos:
                 return

@@ -43,12 +43,17 @@ class DraftSession(ABC):
     def observe(self, num_drafted: int, accepted_len: int) -> None:
         """Told after each verification how many of the drafted tokens were accepted."""
 
+    def observe_features(self, first_position: int, features: np.ndarray) -> None:
+        """A drafter that `reads_features` is told, after each verification, the target's features
+        [n, F] of context positions first_position .. first_position + n - 1 (those the target call computed)."""
+
     def close(self) -> None:
         """Told once when the request leaves, so the session frees what it holds (a batched draft's row)."""
 
 
 class Drafter(ABC):
     name: str = "drafter"
+    reads_features: bool = False  # True: its sessions need the target's hidden states (EAGLE-3)
 
     @abstractmethod
     def new_request(self, cfg: Optional[GenerationConfig] = None) -> DraftSession:

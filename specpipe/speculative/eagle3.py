@@ -1,0 +1,102 @@
+"""The EAGLE-3 drafter (Li et al. 2025): a head that reads the target's own features drafts k tokens.
+
+Per request the head keeps its own KV cache with one row per context position i, made from the target's features
+f_i and the next token t_{i+1} (engines/eagle3_head.py; the convention distill/eagle3.py trains). The decoder hands
+the session the features of every position its target call computed that became context (`observe_features`);
+`propose` appends the rows still missing, up to the last context position but one (row L-2 reads t_{L-1}, the
+newest token), and drafts on from there on the head's own states, as training-time test unrolls it:
+
+    context t_0 .. t_{L-1}; rows 0..L-2 cached     row L-2's logits          -> x_1   (predicts t_L)
+    draft step j (position L-2+j):  state of the previous call, token x_j     -> x_{j+1}
+
+after which the draft positions leave the cache: the target's features replace them once verified. Before the
+target has run (the first step) there are no features, so the first step drafts nothing: it is the prompt's
+prefill, as in target-only decoding.
+
+q over the target's vocabulary: the head's softmax placed on its draft tokens (column d = target token
+d + d2t[d]), 0 for every token outside its draft vocabulary, so the acceptance rule stays exact under sampling.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from specpipe.contract.costs import DEFAULT_VERIFY_PER_TOKEN, StepCosts
+from specpipe.contract.generation import GenerationConfig, SamplingConfig
+from specpipe.speculative.adaptive import draft_confidence_floor
+from specpipe.speculative.drafters import Drafter, DraftSession, Proposal, _Drafted, _top_probability
+from specpipe.speculative.sampling import sample, shape_probs
+
+# One head step against one target step, when none was measured for the engines at hand: SmolLM2-135M's head
+# (35 MB of fp32 matrices against the target's 540 MB) measured 0.068 of an fp32 target step on a 2-core CPU, less
+# with its matrices in bf16 (docs/eagle3-decoding.md).
+DEFAULT_HEAD_DRAFT_COST = 0.05
+
+
+class Eagle3Drafter(Drafter):
+    """`head`: an engines/eagle3_head.Eagle3HeadEngine whose feature layers the target engine outputs."""
+
+    name = "eagle3"
+    reads_features = True
+
+    def __init__(self, head, target_vocab_size: int):
+        self.head = head
+        self.target_vocab_size = target_vocab_size
+
+    def new_request(self, cfg: Optional[GenerationConfig] = None) -> "Eagle3DraftSession":
+        return Eagle3DraftSession(self, cfg or GenerationConfig())
+
+    def default_costs(self) -> StepCosts:
+        return StepCosts(draft=DEFAULT_HEAD_DRAFT_COST, verify_per_token=DEFAULT_VERIFY_PER_TOKEN)
+
+
+class Eagle3DraftSession(DraftSession):
+    def __init__(self, drafter: Eagle3Drafter, cfg: GenerationConfig):
+        self.drafter, self.head = drafter, drafter.head
+        self.cache = self.head.new_cache()  # row i = context position i (draft steps only while proposing)
+        self.features = np.zeros((0, self.head.feature_width), np.float32)  # target features of positions...
+        self.features_from = 0  # ...features_from, features_from + 1, ... not yet in the cache
+        self.min_confidence = draft_confidence_floor(cfg)  # as ModelDraftSession: stop after an unsure token
+
+    def observe_features(self, first_position: int, features: np.ndarray) -> None:
+        """features [n, F]: the target's features of positions first_position .. first_position + n - 1, all of
+        them context now. Rows from first_position on are (re)made from these."""
+        self.cache.truncate(min(len(self.cache), first_position))
+        if not len(self.features) or first_position < self.features_from:
+            self.features, self.features_from = features, first_position
+            return
+        if first_position > self.features_from + len(self.features):
+            raise ValueError(f"features from position {first_position}, but none known from {self.features_from + len(self.features)}")
+        self.features = np.concatenate([self.features[: first_position - self.features_from], features])
+
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingConfig, rng: np.random.Generator) -> Proposal:
+        rows, last_row = len(self.cache), len(context) - 2  # cached rows 0..rows-1; rows up to last_row needed
+        have = self.features_from + len(self.features)  # features known for positions < have
+        if last_row < rows or self.features_from > rows or have <= last_row:
+            return Proposal.empty()  # no features yet (the first step) or none for the newest position
+        # Context rows rows..last_row: feature f_i with token t_{i+1}.
+        new = self.features[rows - self.features_from : last_row + 1 - self.features_from]
+        logits, state = self.head.context_rows(self.cache, context[rows + 1 : last_row + 2], new)
+        self.features, self.features_from = self.features[last_row + 1 - self.features_from :], last_row + 1
+        draft = _Drafted()
+        for _ in range(k):
+            draft.add(*self.pick(logits, sampling, rng))
+            if len(draft.tokens) == k or _top_probability(logits) < self.min_confidence:
+                break
+            logits, state = self.head.draft_step(self.cache, draft.tokens[-1], state)
+        self.cache.truncate(last_row + 1)  # the draft positions leave; verified ones come back from features
+        return draft.proposal()
+
+    def pick(self, logits: np.ndarray, sampling: SamplingConfig, rng: np.random.Generator) -> tuple[int, Optional[np.ndarray]]:
+        """The next drafted token from the head's logits [draft_vocab_size] and the q [V_target] it was drawn from
+        (None under greedy: a point mass). Draft ids are sorted target ids, so argmax picks the same token in
+        either numbering."""
+        token_ids = self.head.token_ids
+        if sampling.greedy:
+            return int(token_ids[logits.argmax()]), None
+        row = np.full(self.drafter.target_vocab_size, -np.inf, dtype=np.float32)
+        row[token_ids] = logits
+        q = shape_probs(row, sampling)[0]
+        return sample(q, rng), q

@@ -1,0 +1,494 @@
+"""Decoding with an EAGLE-3 head (speculative/eagle3.py, engines/eagle3_head.py): lossless, and the features matter.
+
+A trained head on a random tiny target would take minutes to reach any acceptance, so the target here is built
+to be predictable and the head is written by hand to predict it:
+
+- the target (6 layers, builder graph with features after layers 1, 2, 4) has every layer's o_proj and down_proj
+  zeroed, so its residual stream is the token's embedding E[t] all the way up, and its head rows are
+  lm_head[v] = BETA * E[perm^-1(v)] / |E[perm^-1(v)]|: the next token is perm(t) with probability ~0.85 at T = 1
+  (logit 8 * BETA against ~N(0, BETA^2) elsewhere), a Markov chain;
+- the head's fc copies the first feature block (f_i = E[t_i]), its attention and MLP write nothing (o_proj and
+  down_proj zero), and its lm_head row for draft token v is BETA * E[perm^-2(v)] / |.|: from f_i it predicts
+  t_{i+2} = perm(perm(t_i)), which is the target's greedy choice, when that token is in its draft vocabulary
+  (3/4 of the tokens). A later draft step reads the same state and drafts the same token again, which the
+  target rejects: steps mix acceptance and rejection.
+
+So the head is right only if the feature it gets for row i is f_i: a feature off by one position predicts
+t_{i+1} instead. A wrong d2t drafts the wrong tokens. Both are planted below and must drop acceptance.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from specpipe.contract.generation import GenerationConfig, SamplingConfig
+from specpipe.speculative.decoder import SpeculativeDecoder
+from specpipe.speculative.eagle3 import Eagle3Drafter, Eagle3DraftSession
+from specpipe.speculative.equivalence import compare_greedy, near_tie_tolerance
+from specpipe.speculative.sampling import shape_probs
+from specpipe.speculative.stats import SpecStats
+from specpipe.testing.distribution import chi_square_p
+
+BETA = 1.0
+LAYERS = (1, 2, 4)
+PROMPTS = [[5, 17, 42, 99, 7], [200, 13], list(range(30, 60))]
+
+
+def _unit(rows: torch.Tensor) -> torch.Tensor:
+    return rows / rows.norm(dim=-1, keepdim=True)
+
+
+@pytest.fixture(scope="module")
+def markov(tmp_path_factory, tiny_tokenizer):
+    """(target folder, engine folder, perm, regular token ids): the Markov target of the module docstring."""
+    from transformers import AutoModelForCausalLM
+
+    from specpipe.checkpoint import inspect_checkpoint
+    from specpipe.engines.onnxruntime import write_engine_meta
+    from specpipe.engines.shared_kv import KV_LAYOUT
+    from specpipe.export.ortgenai_builder import run_model_builder
+    from specpipe.testing.tiny import make_tiny_llama
+
+    work = tmp_path_factory.mktemp("markov")
+    ckpt = make_tiny_llama(work / "ckpt", seed=4, num_layers=6, tokenizer=tiny_tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    vocab = model.config.vocab_size
+    special = set(tiny_tokenizer.all_special_ids)
+    regular = torch.tensor([t for t in range(vocab) if t not in special])
+    generator = torch.Generator().manual_seed(0)
+    perm = torch.arange(vocab)
+    perm[regular] = regular[torch.randperm(len(regular), generator=generator)]  # specials map to themselves
+    inverse = torch.argsort(perm)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        embedding = model.get_input_embeddings().weight
+        head = torch.zeros_like(model.lm_head.weight)
+        head[regular] = BETA * _unit(embedding[inverse[regular]])  # logit of v peaks where t = perm^-1(v)
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(ckpt, safe_serialization=True)
+    out = run_model_builder(ckpt, work / "engine", "fp32", work / "cache", feature_layers=LAYERS)
+    info = inspect_checkpoint(ckpt)
+    write_engine_meta(out, vocab_size=info.vocab_size, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
+                      head_dim=info.head_dim, max_seq_len=512, quant="none", kv_layout=KV_LAYOUT,
+                      feature_layers=list(LAYERS))
+    return SimpleNamespace(ckpt=ckpt, engine=out, perm=perm, inverse=inverse, regular=regular, model=model)
+
+
+def write_markov_head(markov, folder: Path, *, d2t_shift: int = 0) -> Path:
+    """The hand-made head of the module docstring, in upstream's format. `d2t_shift`: a planted wrong d2t."""
+    from specpipe.checkpoint.eagle3 import head_config, write_eagle3_head
+
+    config = markov.model.config
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = hidden // heads
+    generator = torch.Generator().manual_seed(1)
+    keep = torch.randperm(len(markov.regular), generator=generator)[: 3 * len(markov.regular) // 4]
+    draft_ids = torch.sort(markov.regular[keep]).values  # the draft vocabulary: 3/4 of the regular tokens
+    embedding = markov.model.get_input_embeddings().weight.detach()
+    two_back = markov.inverse[markov.inverse[draft_ids]]  # perm^-2(v)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator) * 0.1
+
+    tensors = {
+        "fc.weight": torch.cat([torch.eye(hidden), torch.zeros(hidden, 2 * hidden)], 1),  # f_i's first block
+        "midlayer.input_layernorm.weight": torch.ones(hidden),
+        "midlayer.hidden_norm.weight": torch.ones(hidden),
+        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": torch.zeros(hidden, heads * head_dim),
+        "midlayer.post_attention_layernorm.weight": torch.ones(hidden),
+        "midlayer.mlp.gate_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.down_proj.weight": torch.zeros(hidden, inter),
+        "norm.weight": torch.ones(hidden),
+        "lm_head.weight": BETA * _unit(embedding[two_back]),
+        "d2t": draft_ids - torch.arange(len(draft_ids)) + d2t_shift,
+        "t2d": torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, draft_ids, True),
+    }
+    shape = SimpleNamespace(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+                            num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
+                            rope_theta=config.rope_theta, max_position_embeddings=512, vocab_size=config.vocab_size,
+                            draft_vocab_size=len(draft_ids), feature_layers=LAYERS)
+    return write_eagle3_head(folder, tensors, head_config(shape))
+
+
+@pytest.fixture(scope="module")
+def target(markov):
+    from specpipe.engines.shared_kv import SharedKVEngine
+
+    return SharedKVEngine(markov.engine, threads=1)
+
+
+def drafter_for(markov, target, head_folder: Path, session_class=Eagle3DraftSession, dtype="float32") -> Eagle3Drafter:
+    from specpipe.engines.eagle3_head import Eagle3HeadEngine, check_pairing, target_embedding
+
+    head = Eagle3HeadEngine(head_folder, target_embedding(markov.engine), dtype=dtype)
+    check_pairing(head, target.feature_layers, target.vocab_size)
+    drafter = Eagle3Drafter(head, target.vocab_size)
+    if session_class is not Eagle3DraftSession:
+        drafter.new_request = lambda cfg=None: session_class(drafter, cfg or GenerationConfig())
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def good(markov, target, tmp_path_factory):
+    return drafter_for(markov, target, write_markov_head(markov, tmp_path_factory.mktemp("head") / "good"))
+
+
+def greedy(decoder, prompt, k, **overrides):
+    cfg = GenerationConfig(max_new_tokens=48, stop_on_eos=False, draft_length="fixed", num_draft_tokens=k, **overrides)
+    stats = SpecStats()
+    return sum(decoder.decode(prompt, cfg, stats), []), stats
+
+
+def acceptance(target, drafter, k=1) -> float:
+    decoder = SpeculativeDecoder(target, drafter)
+    stats = [greedy(decoder, prompt, k)[1] for prompt in PROMPTS]
+    return sum(s.accepted for s in stats) / sum(s.drafted for s in stats)
+
+
+def test_head_engine_reads_the_target_embedding_and_layers(markov, target, good):
+    head = good.head
+    assert head.feature_layers == LAYERS == target.feature_layers
+    assert np.array_equal(head.embedding.numpy(), markov.model.get_input_embeddings().weight.detach().numpy())
+    assert np.all(np.diff(head.token_ids) > 0)  # d2t's offset form gives sorted target ids
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_output_is_the_target_alone(target, good, k):
+    """Identical to target-only decoding (the project's near-tie rule), with drafts both accepted and rejected."""
+    decoder, alone = SpeculativeDecoder(target, good), SpeculativeDecoder(target, None)
+    for prompt in PROMPTS:
+        spec, stats = greedy(decoder, prompt, k)
+        base, base_stats = greedy(alone, prompt, k, speculative=False)
+        divergence = compare_greedy(target, prompt, spec, base, near_tie_tolerance("none"))
+        assert divergence is None or divergence.near_tie, divergence
+        assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted
+        assert base_stats.drafted == 0
+
+
+def test_a_bf16_head_computes_nearly_the_same_and_stays_lossless(markov, target, good):
+    """dtype bfloat16: the head's matrices in bf16, its logits within bf16 rounding of fp32's; decoding is exact."""
+    bf16 = drafter_for(markov, target, good.head.folder, dtype="bfloat16")
+    rows = np.random.default_rng(0).standard_normal((5, good.head.feature_width)).astype(np.float32)
+    (full, _), (half, _) = (d.head.context_rows(d.head.new_cache(), [5, 6, 7, 8, 9], rows) for d in (good, bf16))
+    assert np.abs(full - half).max() <= 0.05 * np.abs(full).max()
+    decoder, alone = SpeculativeDecoder(target, bf16), SpeculativeDecoder(target, None)
+    for prompt in PROMPTS:
+        spec, _ = greedy(decoder, prompt, 3)
+        base, _ = greedy(alone, prompt, 3, speculative=False)
+        divergence = compare_greedy(target, prompt, spec, base, near_tie_tolerance("none"))
+        assert divergence is None or divergence.near_tie, divergence
+    assert acceptance(target, bf16) > 0.6
+
+
+def test_head_predicts_the_target(target, good):
+    """The premise of the planted bugs below: with the right features and d2t, most first drafts are accepted."""
+    assert acceptance(target, good, k=1) > 0.6
+
+
+class OffByOneSession(Eagle3DraftSession):
+    """Planted bug: row i gets the features of position i - 1 (an off-by-one between features and tokens)."""
+
+    def observe_features(self, first_position, features):
+        known = getattr(self, "known", {})
+        known.update({first_position + j: row for j, row in enumerate(features)})
+        self.known = known
+        shifted = np.stack([known.get(first_position + j - 1, row) for j, row in enumerate(features)])
+        super().observe_features(first_position, shifted)
+
+
+def test_a_feature_off_by_one_position_drops_acceptance(markov, target, good):
+    wrong = acceptance(target, drafter_for(markov, target, good.head.folder, OffByOneSession))
+    assert wrong < 0.1 < 0.6 < acceptance(target, good)
+
+
+def test_a_wrong_d2t_drops_acceptance(markov, target, good, tmp_path):
+    shifted = drafter_for(markov, target, write_markov_head(markov, tmp_path / "shifted", d2t_shift=1))
+    assert acceptance(target, shifted) < 0.1 < 0.6 < acceptance(target, good)
+
+
+def test_the_first_step_is_the_prefill_and_features_cost_nothing_unasked(target, good):
+    """Step 1 drafts nothing (no features yet); a target sequence computes features only after keep_features()."""
+    decoder = SpeculativeDecoder(target, good)
+    cfg = GenerationConfig(max_new_tokens=8, stop_on_eos=False, draft_length="fixed", num_draft_tokens=2)
+    steps = decoder.decode(PROMPTS[0], cfg, SpecStats())
+    assert len(next(steps)) == 1
+    steps.close()
+    plain = target.new_sequence()
+    plain.append(PROMPTS[0])
+    assert plain.features is None
+    kept = target.new_sequence()
+    kept.keep_features()
+    kept.append(PROMPTS[0])
+    assert kept.features.shape == (len(PROMPTS[0]), 3 * 64)
+
+
+def test_seeded_sampling_is_reproducible(target, good):
+    decoder = SpeculativeDecoder(target, good)
+    cfg = GenerationConfig(max_new_tokens=32, stop_on_eos=False, num_draft_tokens=3, seed=11,
+                           sampling=SamplingConfig(temperature=0.9, top_p=0.95))
+    runs = [sum(decoder.decode(PROMPTS[0], cfg, SpecStats()), []) for _ in range(2)]
+    assert runs[0] == runs[1]
+    other = sum(decoder.decode(PROMPTS[0], cfg.model_copy(update={"seed": 12}), SpecStats()), [])
+    assert other != runs[0]
+
+
+# --- sampling: tokens 2 and 3 come from the step that drafted from the head (step 1 is the prefill) ---
+
+CONTEXT = [5, 17, 42, 99, 7]
+RUNS = 6000
+SAMPLED = GenerationConfig(max_new_tokens=4, num_draft_tokens=2, draft_length="fixed", stop_on_eos=False,
+                           sampling=SamplingConfig(temperature=1.0))
+
+
+def first_three(decoder, seed: int) -> list[int]:
+    emitted: list[int] = []
+    steps = decoder.decode(CONTEXT, SAMPLED.model_copy(update={"seed": seed}), SpecStats())
+    for tokens in steps:
+        emitted += tokens
+        if len(emitted) >= 3:
+            break
+    steps.close()
+    return emitted[:3]
+
+
+def second_and_third_pvalues(target, drafter) -> tuple[float, float, int]:
+    """p-values of token 2 given the commonest token 1, and of token 3 given the commonest (1, 2), against the
+    target's exact probabilities."""
+    decoder = SpeculativeDecoder(target, drafter)
+    runs = np.array([first_three(decoder, seed) for seed in range(RUNS)])
+    vocab = target.vocab_size
+
+    def p_value(rows: np.ndarray, context: list[int]) -> float:
+        probs = shape_probs(target.new_sequence().append(context)[-1], SAMPLED.sampling)[0]
+        return chi_square_p(np.bincount(rows, minlength=vocab), probs)
+
+    first = np.bincount(runs[:, 0]).argmax()
+    given_first = runs[runs[:, 0] == first]
+    second = np.bincount(given_first[:, 1]).argmax()
+    given_two = given_first[given_first[:, 1] == second]
+    return (p_value(given_first[:, 1], CONTEXT + [int(first)]),
+            p_value(given_two[:, 2], CONTEXT + [int(first), int(second)]), len(given_two))
+
+
+def test_sampling_keeps_the_target_distribution(target, good):
+    p_second, p_third, n_third = second_and_third_pvalues(target, good)
+    assert n_third > 2000
+    assert p_second > 0.001 and p_third > 0.001
+
+
+class MisplacedQSession(Eagle3DraftSession):
+    """Planted bug: q is reported over draft-vocabulary indices instead of the target ids d2t maps them to (the
+    token itself is drawn right), so the acceptance test divides p by the wrong q."""
+
+    def pick(self, logits, sampling, rng):
+        token, q = super().pick(logits, sampling, rng)
+        if q is not None:
+            wrong = np.zeros_like(q)
+            wrong[: len(self.head.token_ids)] = q[self.head.token_ids]
+            q = wrong
+        return token, q
+
+
+def test_chi_square_catches_a_misplaced_q(markov, target, good):
+    p_second, p_third, _ = second_and_third_pvalues(target, drafter_for(markov, target, good.head.folder, MisplacedQSession))
+    assert min(p_second, p_third) < 0.001
+
+
+# --- generate / bench --draft HEAD on a built deployment ---
+
+
+@pytest.fixture(scope="module")
+def alone_build(tiny_target, tmp_path_factory):
+    """A tiny target-alone build, and a copy whose target graph also outputs the features of layer 0 (the tiny
+    target has 2 layers: layer 0's output is the only one that feeds another layer)."""
+    import shutil
+
+    from specpipe.builder import build
+    from specpipe.builder.config import BuildConfig
+    from specpipe.export.ortgenai_builder import run_model_builder
+
+    engines = tmp_path_factory.mktemp("alone")
+    plain = build(BuildConfig(target=str(tiny_target), draft="none", name="alone", engines_dir=engines, repo_dir=None))
+    featured = shutil.copytree(plain, engines / "featured")
+    run_model_builder(tiny_target, engines / "raw", "fp32", engines / "cache", feature_layers=(0,))
+    for name in ("model.onnx", "model.onnx.data"):
+        shutil.copy(engines / "raw" / name, featured / "target" / name)
+    meta = json.loads((featured / "target" / "engine.json").read_text())
+    (featured / "target" / "engine.json").write_text(json.dumps({**meta, "feature_layers": [0]}))
+    return SimpleNamespace(plain=plain, featured=featured)
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tiny_target, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from specpipe.checkpoint.eagle3 import head_config, write_eagle3_head
+    from specpipe.distill.eagle3 import make_head
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    head = make_head(model, feature_layers=(0,), draft_token_ids=torch.arange(0, model.config.vocab_size, 2),
+                     warm_start=True, seed=0)
+    return write_eagle3_head(tmp_path_factory.mktemp("tinyhead") / "head", head.state_dict(), head_config(head.shape))
+
+
+def test_cli_generate_and_bench_decode_with_a_head(alone_build, tiny_head, tmp_path):
+    from click.testing import CliRunner
+
+    from specpipe.cli import cli
+
+    runner = CliRunner()
+    args = ["generate", str(alone_build.featured), "-p", "def add(a, b):", "--max-tokens", "24", "--json"]
+    spec = runner.invoke(cli, args + ["--draft", str(tiny_head), "-k", "3"])
+    base = runner.invoke(cli, args + ["--no-speculative"])
+    assert spec.exit_code == 0 and base.exit_code == 0, spec.output + base.output
+    spec_out, base_out = json.loads(spec.output), json.loads(base.output)
+    assert spec_out["token_ids"] == base_out["token_ids"]
+    assert spec_out["drafted"] > 0
+
+    report = tmp_path / "bench.json"
+    result = runner.invoke(cli, ["bench", str(alone_build.featured), "--draft", str(tiny_head), "-k", "1,2",
+                                 "--max-prompts", "1", "--max-new-tokens", "12", "--no-peer", "--warmup-prompts", "0",
+                                 "--json-out", str(report)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(report.read_text())["sets"][0]["rows"]
+    speculative = [row for row in rows if row["kind"] == "speculative"]
+    assert {row["strategy"] for row in speculative} == {"eagle3-head"} and len(speculative) == 3  # K=1, 2, adaptive
+    assert all(row["matches_target"] == row["prompts"] for row in speculative), speculative
+    by_position = {row["label"]: row["acceptance_by_position"] for row in speculative}
+    assert len(by_position["K=2"]) == 2 and all(0 <= a <= 1 for a in by_position["K=2"])
+
+
+def test_cli_refuses_a_head_the_target_has_no_features_for(alone_build, tiny_head, capsys):
+    from specpipe.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(alone_build.plain), "-p", "hi", "--draft", str(tiny_head)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "outputs no features" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# --- the batching scheduler: rows' features come back from batched prefill, decode and verify calls ---
+
+BATCH_CFGS = [
+    GenerationConfig(max_new_tokens=30, stop_on_eos=False, draft_length="fixed", num_draft_tokens=3),
+    GenerationConfig(max_new_tokens=25, stop_on_eos=False),  # adaptive: the planner decides
+    GenerationConfig(max_new_tokens=40, stop_on_eos=False, speculative=False),
+    GenerationConfig(max_new_tokens=20, stop_on_eos=False, draft_length="fixed", num_draft_tokens=1),
+    GenerationConfig(max_new_tokens=30, stop_on_eos=False, draft_length="fixed", num_draft_tokens=2, seed=3,
+                     sampling=SamplingConfig(temperature=0.9)),
+]
+BATCH_PROMPTS = [PROMPTS[0], list(range(60, 100)), [9, 8, 7], PROMPTS[1], list(range(120, 137))]
+
+
+def run_batched(scheduler, prompts, cfgs):
+    """Each request read on its own thread, request i sent once request i-1 has tokens (joins mid-flight)."""
+    import threading
+
+    outputs, stats = [None] * len(prompts), [SpecStats() for _ in prompts]
+    started = [threading.Event() for _ in prompts]
+
+    def read(i):
+        if i:
+            started[i - 1].wait(30)
+        tokens = []
+        try:
+            for step in scheduler.decode(prompts[i], cfgs[i], stats[i]):
+                tokens += step
+                started[i].set()
+            outputs[i] = tokens
+        finally:
+            started[i].set()
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return outputs, stats
+
+
+def batched_drafts_match_alone(target, drafter) -> bool:
+    """Run BATCH_CFGS through a 3-slot scheduler; True when every fixed-K request drafted and accepted exactly what
+    the single-request decoder does, and every output is the target's (asserted)."""
+    from specpipe.speculative.batching import BatchScheduler
+
+    scheduler = BatchScheduler(target, drafter, [], None, max_batch_size=3, max_queue=16, prefill_chunk=16)
+    outputs, stats = run_batched(scheduler, BATCH_PROMPTS, BATCH_CFGS)
+    decoder, alone = SpeculativeDecoder(target, drafter), SpeculativeDecoder(target, None)
+    same = True
+    for prompt, cfg, out, batched in zip(BATCH_PROMPTS, BATCH_CFGS, outputs, stats):
+        assert out is not None and len(out) == cfg.max_new_tokens
+        single = SpecStats()
+        reference = sum(decoder.decode(prompt, cfg, single), [])
+        if cfg.draft_length == "fixed":
+            same = same and out == reference and (batched.drafted_at, batched.accepted_at) == (single.drafted_at,
+                                                                                                single.accepted_at)
+        if cfg.sampling.greedy:
+            base = sum(alone.decode(prompt, cfg.model_copy(update={"speculative": False}), SpecStats()), [])
+            divergence = compare_greedy(target, prompt, out, base, near_tie_tolerance("none"))
+            assert divergence is None or divergence.near_tie, divergence
+    drafted = sum(s.drafted for s in stats)
+    assert drafted > 0
+    return same and sum(s.accepted for s in stats) / drafted > 0.3
+
+
+@pytest.mark.timing
+def test_batched_requests_draft_and_decode_as_alone(target, good):
+    """Requests that join a running batch (chunked prefill, batched decode rows, verify rows) draft from the same
+    features as alone: fixed-K requests draft and accept exactly what the single-request decoder does, and
+    every output equals the target's alone."""
+    assert batched_drafts_match_alone(target, good)
+
+
+def batched_features_match_alone(target) -> bool:
+    """Rows that keep features get, from a batched prefill and a batched decode, the features each gets alone; a
+    row that does not keep them gets none."""
+    prompts, tokens = [PROMPTS[0], PROMPTS[2][:9], [3, 4]], [11, 12, 13]
+    batch = target.new_batch(3)
+    rows = [batch.new_sequence() for _ in prompts]
+    rows[0].keep_features()
+    rows[1].keep_features()
+    batch.prefill(rows, prompts)
+    prefilled = [row.features for row in rows]
+    batch.decode(rows, tokens)
+    decoded = [row.features for row in rows]
+    assert prefilled[2] is None and decoded[2] is None
+    same = True
+    for i in range(2):
+        alone = target.new_sequence()
+        alone.keep_features()
+        alone.append(prompts[i])
+        same = same and prefilled[i].shape == alone.features.shape and np.allclose(prefilled[i], alone.features, atol=1e-4)
+        alone.append([tokens[i]])
+        same = same and decoded[i].shape == alone.features.shape and np.allclose(decoded[i], alone.features, atol=1e-4)
+    return same
+
+
+def test_batched_calls_give_each_row_its_features(target):
+    assert batched_features_match_alone(target)
+
+
+def test_planted_bug_rows_getting_each_others_features_fails(target, monkeypatch):
+    real = type(target).run_with_features
+
+    def swapped(self, buffers, input_ids, lengths, preempt=None, new_lengths=None):
+        logits, features = real(self, buffers, input_ids, lengths, preempt, new_lengths)
+        return logits, np.roll(features, 1, axis=0) if len(features) > 1 else features
+
+    monkeypatch.setattr(type(target), "run_with_features", swapped)
+    assert not batched_features_match_alone(target)
