@@ -1,0 +1,113 @@
+"""Training an EAGLE-3 head: what the loss is taught (distill/eagle3_train.py) and the curve's bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+
+
+def _sequence(length: int, top_ids: torch.Tensor, hidden: int, seed: int):
+    from specpipe.distill.teacher import TeacherSequence
+
+    g = torch.Generator().manual_seed(seed)
+    k = top_ids.shape[1]
+    return TeacherSequence(token_ids=torch.randint(0, 200, (length,), generator=g), top_ids=top_ids.int(),
+                           top_logprobs=torch.log_softmax(torch.randn(length - 1, k, generator=g), -1).half(),
+                           prompt_len=0, kind="code", features=torch.randn(length - 1, 3 * hidden, generator=g).half())
+
+
+def _trainer(tiny_model, sequences, tmp_path, vocab_ids):
+    from specpipe.distill.eagle3 import make_head
+    from specpipe.distill.eagle3_train import HeadTrainer
+
+    head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=vocab_ids, warm_start=True, seed=0)
+    # negatives >= the draft vocabulary: every draft token is scored, so the loss does not depend on the batch's ids
+    return HeadTrainer(head, sequences, steps=2, decay=0.8, budget_s=60, lr=1e-3, batch_tokens=512, negatives=10**6,
+                       seed=0, state_path=tmp_path / "state.pt", checkpoint_every=1000)
+
+
+def test_a_position_whose_teacher_tokens_are_all_outside_the_draft_vocabulary_teaches_nothing(tiny_model, tmp_path):
+    """Such a position has no target distribution over the draft vocabulary to learn: it must add no loss (it once
+    taught draft token 0, where every out-of-vocabulary id was clamped)."""
+    hidden, vocab = tiny_model.config.hidden_size, tiny_model.config.vocab_size
+    vocab_ids = torch.arange(0, 64)
+    outside = torch.randint(100, vocab, (11, 4), generator=torch.Generator().manual_seed(3))
+    inside = torch.randint(0, 64, (11, 4), generator=torch.Generator().manual_seed(4))
+    unteachable, ordinary = _sequence(12, outside, hidden, 1), _sequence(12, inside, hidden, 2)
+    trainer = _trainer(tiny_model, [unteachable, ordinary], tmp_path, vocab_ids)
+    both, _, _ = trainer._loss([unteachable, ordinary], "float32")
+    alone, _, _ = trainer._loss([ordinary], "float32")
+    assert torch.allclose(both, alone, rtol=1e-4, atol=1e-5), (float(both), float(alone))
+
+
+class _Oracle(torch.nn.Module):
+    """A 'model draft' whose argmax at row t is the target's greedy token exactly where `right(t)` says."""
+
+    def __init__(self, sequence, vocab: int, right):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.sequence, self.vocab, self.right = sequence, vocab, right
+
+    def forward(self, input_ids):
+        from types import SimpleNamespace
+
+        top = self.sequence.top_ids[:, 0].long()
+        logits = torch.zeros(1, len(top) + 1, self.vocab)
+        for t, token in enumerate(top):
+            logits[0, t, int(token) if self.right(t) else (int(token) + 1) % self.vocab] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def _prompted(length: int, prompt_len: int, hidden: int, seed: int):
+    from specpipe.distill.teacher import TeacherSequence
+
+    g = torch.Generator().manual_seed(seed)
+    return TeacherSequence(token_ids=torch.randint(0, 200, (length,), generator=g),
+                           top_ids=torch.randint(0, 64, (length - 1, 4), generator=g).int(),
+                           top_logprobs=torch.log_softmax(torch.randn(length - 1, 4, generator=g), -1).half(),
+                           prompt_len=prompt_len, kind="code",
+                           features=torch.randn(length - 1, 3 * hidden, generator=g).half())
+
+
+def test_chain_acceptance_counts_answer_rows_and_conditions_on_the_chain():
+    """Right at every even row: position 1 agrees half the time, and a chain never gets two in a row."""
+    from specpipe.distill.curve import model_chain_hits
+
+    seq = _prompted(30, 10, 8, 0)
+    summary = model_chain_hits(_Oracle(seq, 320, lambda t: t % 2 == 0), [seq]).summary()
+    # anchors: teacher rows 9 (first answer token) .. 26 (position 3 reads row 28, the last one)
+    assert summary["anchors"] == 18
+    assert summary["agreement"] == [0.5, 0.5, 0.5] and summary["conditional"][:2] == [0.5, 0.0]
+    assert summary["accepted_len"] == 0.5
+    perfect = model_chain_hits(_Oracle(seq, 320, lambda t: True), [seq]).summary()
+    assert perfect["conditional"] == [1.0, 1.0, 1.0] and perfect["accepted_len"] == 3.0
+    late = model_chain_hits(_Oracle(seq, 320, lambda t: t >= 9), [seq]).summary()  # prompt rows do not count
+    assert late["agreement"] == [1.0, 1.0, 1.0]
+
+
+def test_head_chain_hits_read_the_unrolled_step_of_the_row_before(tiny_model):
+    """Position k from anchor a (teacher row a predicts token a+1) is step k-1 of head row a-1, compared with
+    teacher row a+k-1: checked against a direct reading of the unrolled states."""
+    from specpipe.distill.curve import head_chain_hits
+    from specpipe.distill.eagle3 import make_head, valid_rows
+
+    hidden = tiny_model.config.hidden_size
+    head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64), warm_start=True, seed=0)
+    seq = _prompted(40, 6, hidden, 5)
+    n = len(seq) - 1
+    with torch.no_grad():
+        tokens = torch.cat([seq.token_ids[1:], torch.zeros(2, dtype=torch.long)])[None]
+        states = head.unrolled(seq.features[None].float(), tokens, valid_rows(torch.tensor([n]), n), 3)
+        # the target's greedy token at row r is what step 0 of head row r-1 drafts: position 1 is always right
+        seq.top_ids[1:, 0] = head.logits(states[0][0, :-1]).argmax(-1).int()
+    expected = [[int(head.logits(states[k][0, a - 1]).argmax()) == int(seq.top_ids[a + k, 0]) for a in range(5, 37)]
+                for k in range(3)]
+    hits = head_chain_hits(head, [seq]).hits
+    assert hits.tolist() == expected and bool(hits[0].all())
