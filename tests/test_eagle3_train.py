@@ -111,3 +111,12 @@ def test_head_chain_hits_read_the_unrolled_step_of_the_row_before(tiny_model):
                 for k in range(3)]
     hits = head_chain_hits(head, [seq]).hits
     assert hits.tolist() == expected and bool(hits[0].all())
+
+
+def test_training_defaults_follow_the_kind_and_an_explicit_value_wins():
+    from specpipe.config import DISTILL_KIND_DEFAULTS, DistillConfig
+
+    assert DistillConfig(target="t", out="o").lr == DISTILL_KIND_DEFAULTS["model"]["lr"]
+    head = DistillConfig(target="t", out="o", kind="eagle3")
+    assert (head.lr, head.batch_tokens) == (DISTILL_KIND_DEFAULTS["eagle3"]["lr"], DISTILL_KIND_DEFAULTS["eagle3"]["batch_tokens"])
+    assert DistillConfig(target="t", out="o", kind="eagle3", lr=1e-4, batch_tokens=None).lr == 1e-4

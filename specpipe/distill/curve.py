@@ -42,12 +42,15 @@ class ChainHits:
     hits: torch.Tensor  # [positions, anchors] bool
 
     @classmethod
-    def cat(cls, parts: list["ChainHits"]) -> "ChainHits":
-        return cls(torch.cat([p.hits for p in parts], dim=1))
+    def cat(cls, parts: list["ChainHits"], positions: int) -> "ChainHits":
+        return cls(torch.cat([p.hits for p in parts], dim=1) if parts else torch.zeros((positions, 0), dtype=torch.bool))
 
     def summary(self) -> dict:
         hits = self.hits
         positions, anchors = hits.shape
+        if not anchors:
+            return {"anchors": 0, "agreement": [0.0] * positions, "conditional": [0.0] * positions, "accepted_len": 0.0,
+                    "stderr_pos1": None}
         chain = hits.long().cumprod(0).float().mean(1)  # P(positions 1..k all right)
         agreement = hits.float().mean(1)
         conditional = [float(chain[0])] + [float(chain[k] / chain[k - 1]) if chain[k - 1] > 0 else 0.0
@@ -79,7 +82,7 @@ def model_chain_hits(student, sequences: list[TeacherSequence], positions: int =
         logits = student(input_ids=seq.token_ids[None].to(device)).logits[0, :-1].float().cpu()
         row_hits = logits.argmax(-1) == seq.top_ids[:, 0].long()  # [T-1]
         parts.append(ChainHits(torch.stack([row_hits[first + k : last + 1 + k] for k in range(positions)])))
-    return ChainHits.cat(parts)
+    return ChainHits.cat(parts, positions)
 
 
 @torch.inference_mode()
@@ -102,7 +105,7 @@ def head_chain_hits(head, sequences: list[TeacherSequence], positions: int = POS
             target = seq.top_ids[:, 0].long()
             rows.append(predicted[first - 1 : last] == target[first + step : last + 1 + step])
         parts.append(ChainHits(torch.stack(rows)))
-    return ChainHits.cat(parts)
+    return ChainHits.cat(parts, positions)
 
 
 def milestones(total_tokens: int, points: int, first: int) -> list[int]:
@@ -191,6 +194,7 @@ def run_curve(cfg, *, kinds: tuple[str, ...], points: int, first_tokens: int, mo
     """cfg: a DistillConfig of kind eagle3 (target, --answer-tokens, --train-tokens, the head's settings). Makes or
     reuses the teacher pass, splits it by prompt, then trains each kind in `kinds` over the same data."""
     from specpipe.checkpoint.draft_vocab import count_tokens, top_token_ids
+    from specpipe.config import DISTILL_KIND_DEFAULTS
     from specpipe.distill.eagle3 import make_head
     from specpipe.distill.eagle3_run import split_by_prompt
     from specpipe.distill.eagle3_train import HeadTrainer
@@ -230,8 +234,9 @@ def run_curve(cfg, *, kinds: tuple[str, ...], points: int, first_tokens: int, mo
         else:
             samples = [s.token_ids for s in train_set[:16]]
             student = make_student(model, layers=cfg.layers, width=cfg.width, seed=cfg.seed, samples=samples).to(device)
-            trainer = Trainer(student, train_set, budget_s=1e9, lr=1e-3, batch_tokens=4096, negatives=2048,
-                              seed=cfg.seed, state_path=state_dir / "model.pt", checkpoint_every=10**9)
+            defaults = DISTILL_KIND_DEFAULTS["model"]
+            trainer = Trainer(student, train_set, budget_s=1e9, lr=defaults["lr"], batch_tokens=int(defaults["batch_tokens"]),
+                              negatives=cfg.negatives, seed=cfg.seed, state_path=state_dir / "model.pt", checkpoint_every=10**9)
             evaluate = lambda: model_chain_hits(student, held_out)  # noqa: E731
         trainer.dtype = choose_precision("train", cfg.train_dtype, device, trainer.probe,
                                          options=["float32", "bfloat16"]).dtype
@@ -264,14 +269,23 @@ def main(argv: Optional[list[str]] = None) -> None:
     @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None)
     @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
     @click.option("--work", type=click.Path(path_type=Path), default=Path("/tmp/specpipe-curve"), show_default=True)
+    @click.option("--train-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
+    @click.option("--threads", type=int, default=None, help="torch threads (default: DistillConfig's)")
+    @click.option("--replot", type=click.Path(exists=True, path_type=Path), multiple=True,
+                  help="no training: the runs of earlier --json files, in one plot and table")
     def command(target, answer_tokens, train_tokens, model_train_tokens, points, first_tokens, kinds, minutes, plot_path,
-                json_path, work):
+                json_path, work, train_dtype, threads, replot):
         try:
-            cfg = DistillConfig(target=target, out=work, kind="eagle3", answer_tokens=answer_tokens,
-                                train_tokens=train_tokens, minutes=minutes, force=True)
-            result = run_curve(cfg, kinds=tuple(kinds.split(",")), points=points, first_tokens=first_tokens,
-                               model_train_tokens=model_train_tokens, log=lambda m: click.echo(m, err=True))
-        except (SpecpipeError, ValueError) as err:
+            if replot:
+                parts = [json.loads(p.read_text()) for p in replot]
+                result = {**parts[0], "runs": [r for part in parts for r in part["runs"]]}
+            else:
+                cfg = DistillConfig(target=target, out=work, kind="eagle3", answer_tokens=answer_tokens,
+                                    train_tokens=train_tokens, minutes=minutes, force=True, train_dtype=train_dtype,
+                                    **({"threads": threads} if threads else {}))
+                result = run_curve(cfg, kinds=tuple(kinds.split(",")), points=points, first_tokens=first_tokens,
+                                   model_train_tokens=model_train_tokens, log=lambda m: click.echo(m, err=True))
+        except (SpecpipeError, ValueError, KeyError) as err:
             click.echo(f"error: {str(err).splitlines()[0]}", err=True)
             raise SystemExit(2) from None
         runs = [CurveRun(r["kind"], r["points"], r["train_s"]) for r in result["runs"]]
