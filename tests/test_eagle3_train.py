@@ -120,3 +120,14 @@ def test_training_defaults_follow_the_kind_and_an_explicit_value_wins():
     head = DistillConfig(target="t", out="o", kind="eagle3")
     assert (head.lr, head.batch_tokens) == (DISTILL_KIND_DEFAULTS["eagle3"]["lr"], DISTILL_KIND_DEFAULTS["eagle3"]["batch_tokens"])
     assert DistillConfig(target="t", out="o", kind="eagle3", lr=1e-4, batch_tokens=None).lr == 1e-4
+
+
+def test_warm_start_passes_the_deepest_feature_through(tiny_model):
+    """fc starts as identity on the last feature layer's block (plus the small random init), zero mean elsewhere."""
+    from specpipe.distill.eagle3 import make_head
+
+    width = tiny_model.config.hidden_size
+    warm = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64), warm_start=True, seed=0)
+    cold = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64), warm_start=False, seed=0)
+    assert torch.allclose(warm.fc.weight[:, -width:] - torch.eye(width), cold.fc.weight[:, -width:], atol=1e-6)
+    assert torch.equal(warm.fc.weight[:, :-width], cold.fc.weight[:, :-width])
