@@ -78,7 +78,7 @@ def _prompted(length: int, prompt_len: int, hidden: int, seed: int):
 
 def test_chain_acceptance_counts_answer_rows_and_conditions_on_the_chain():
     """Right at every even row: position 1 agrees half the time, and a chain never gets two in a row."""
-    from specpipe.distill.curve import model_chain_hits
+    from specpipe.distill.acceptance import model_chain_hits
 
     seq = _prompted(30, 10, 8, 0)
     summary = model_chain_hits(_Oracle(seq, 320, lambda t: t % 2 == 0), [seq]).summary()
@@ -95,7 +95,7 @@ def test_chain_acceptance_counts_answer_rows_and_conditions_on_the_chain():
 def test_head_chain_hits_read_the_unrolled_step_of_the_row_before(tiny_model):
     """Position k from anchor a (teacher row a predicts token a+1) is step k-1 of head row a-1, compared with
     teacher row a+k-1: checked against a direct reading of the unrolled states."""
-    from specpipe.distill.curve import head_chain_hits
+    from specpipe.distill.acceptance import head_chain_hits
     from specpipe.distill.eagle3 import make_head, valid_rows
 
     hidden = tiny_model.config.hidden_size

@@ -8,21 +8,13 @@ Each kind trains once over the largest budget (warm-up, then cosine over it, as 
 evaluated on the held-out answers at geometrically spaced token counts, so the whole curve costs one run per kind;
 points before the last are of weights not yet annealed (a run with that budget would end a little higher).
 
-Acceptance conventions (greedy, on the target's own greedy answers to held-out prompts; draft position k = the k-th
-token drafted after a verify):
-    agreement[k]    share of anchors where position k's argmax is the target's greedy token, with the true tokens
-                    before it fed in (position 1 = the K=1 acceptance rate);
-    conditional[k]  the same among anchors whose positions 1..k-1 were all right: the acceptance of position k in a
-                    chain, what speculative decoding sees;
-    accepted_len    expected accepted drafted tokens per verify at K = positions (bonus token excluded).
-A model draft reads only tokens, so with the true tokens fed in, its position k is its position 1 at a later row;
-a head drafts positions k > 1 from its own states, so its later positions differ from its first.
+Acceptance by drafted position: distill/acceptance.py states the conventions.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,82 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from specpipe.distill.teacher import TeacherSequence
-
-POSITIONS = 3  # draft positions measured
-
-
-@dataclass
-class ChainHits:
-    """hits[k][a]: draft position k+1 from anchor a was the target's greedy token (true tokens before it)."""
-
-    hits: torch.Tensor  # [positions, anchors] bool
-
-    @classmethod
-    def cat(cls, parts: list["ChainHits"], positions: int) -> "ChainHits":
-        return cls(torch.cat([p.hits for p in parts], dim=1) if parts else torch.zeros((positions, 0), dtype=torch.bool))
-
-    def summary(self) -> dict:
-        hits = self.hits
-        positions, anchors = hits.shape
-        if not anchors:
-            return {"anchors": 0, "agreement": [0.0] * positions, "conditional": [0.0] * positions, "accepted_len": 0.0,
-                    "stderr_pos1": None}
-        chain = hits.long().cumprod(0).float().mean(1)  # P(positions 1..k all right)
-        agreement = hits.float().mean(1)
-        conditional = [float(chain[0])] + [float(chain[k] / chain[k - 1]) if chain[k - 1] > 0 else 0.0
-                                           for k in range(1, positions)]
-        return {"anchors": anchors, "agreement": [round(float(a), 4) for a in agreement],
-                "conditional": [round(c, 4) for c in conditional],
-                "accepted_len": round(float(chain.sum()), 4),
-                # binomial standard error of position 1, to read differences against
-                "stderr_pos1": round(math.sqrt(max(float(agreement[0]) * (1 - float(agreement[0])), 1e-9) / max(1, anchors)), 4)}
-
-
-def _answer_rows(seq: TeacherSequence, positions: int) -> tuple[int, int]:
-    """First and last anchor whose positions 1..`positions` all predict answer tokens the sequence holds, as teacher
-    rows of position 1 (teacher row r = the target's distribution over token r+1)."""
-    start = max(seq.prompt_len - 1, 0)
-    return start, len(seq) - 2 - (positions - 1)
-
-
-@torch.inference_mode()
-def model_chain_hits(student, sequences: list[TeacherSequence], positions: int = POSITIONS) -> ChainHits:
-    """A model draft: one forward pass per sequence; position k from anchor r is its argmax at teacher row r+k-1."""
-    student.eval()
-    device = next(student.parameters()).device
-    parts = []
-    for seq in sequences:
-        first, last = _answer_rows(seq, positions)
-        if last < first:
-            continue
-        logits = student(input_ids=seq.token_ids[None].to(device)).logits[0, :-1].float().cpu()
-        row_hits = logits.argmax(-1) == seq.top_ids[:, 0].long()  # [T-1]
-        parts.append(ChainHits(torch.stack([row_hits[first + k : last + 1 + k] for k in range(positions)])))
-    return ChainHits.cat(parts, positions)
-
-
-@torch.inference_mode()
-def head_chain_hits(head, sequences: list[TeacherSequence], positions: int = POSITIONS) -> ChainHits:
-    """An EAGLE-3 head: position k from anchor r is unrolled step k-1 of head row r-1 (eagle3.py's indexing)."""
-    from specpipe.distill.eagle3_train import collate_head
-
-    head.eval()
-    device = head.d2t.device
-    parts = []
-    for seq in sequences:
-        first, last = _answer_rows(seq, positions)
-        if last < first or first < 1:
-            continue
-        features, tokens, valid, top_ids, _, _ = (t.to(device) for t in collate_head([seq], 0, positions))
-        states = head.unrolled(features, tokens, valid, positions)
-        rows = []
-        for step, state in enumerate(states):
-            predicted = head.draft_to_target(head.logits(state[0]).argmax(-1)).cpu()  # row i -> teacher row i+step+1
-            target = seq.top_ids[:, 0].long()
-            rows.append(predicted[first - 1 : last] == target[first + step : last + 1 + step])
-        parts.append(ChainHits(torch.stack(rows)))
-    return ChainHits.cat(parts, positions)
+from specpipe.distill.acceptance import ChainHits, head_chain_hits, model_chain_hits
 
 
 def milestones(total_tokens: int, points: int, first: int) -> list[int]:
@@ -121,6 +38,7 @@ class CurveRun:
     kind: str
     points: list[dict] = field(default_factory=list)
     train_s: float = 0.0
+    label: str = ""  # what the plot and table call it; default: the kind
 
 
 def train_with_curve(kind: str, trainer, evaluate: Callable[[], ChainHits], marks: list[int],
@@ -154,24 +72,22 @@ def plot_curve(runs: list[CurveRun], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    styles = {"eagle3": ("tab:blue", "EAGLE-3 head"), "model": ("tab:orange", "2-layer model draft")}
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=100)
+    colors = iter(["tab:blue", "tab:green", "tab:orange", "tab:red", "tab:purple"])
     for run in runs:
-        color, label = styles.get(run.kind, ("tab:gray", run.kind))
+        color, label = next(colors, "tab:gray"), run.label or run.kind
         tokens = [p["tokens"] for p in run.points]
         for k, marker, dash in ((0, "o", "-"), (1, "s", "--"), (2, "^", ":")):
-            if run.kind == "model" and k:
-                continue  # a model draft's later positions are its first (module docstring)
             ax.plot(tokens, [p["conditional"][k] for p in run.points], dash, marker=marker, color=color, markersize=4,
-                    label=f"{label}, position {k + 1}" if run.kind == "eagle3" else f"{label}, every position")
+                    label=f"{label}, position {k + 1}")
     ax.set_xscale("log")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("held-out acceptance (greedy, per position)")
     ax.set_ylim(0, 1)
     ax.axhline(0.7, color="gray", linewidth=0.6, linestyle="-.")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left")
-    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=6, loc="upper left", ncol=2)
+    ax.set_title(textwrap.fill(title, 95), fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -184,19 +100,19 @@ def table(runs: list[CurveRun]) -> str:
     for run in runs:
         for p in run.points:
             c = p["conditional"]
-            lines.append(f"| {run.kind} | {p['tokens']:,} | {p['train_s']:.0f} | {c[0]:.3f} | {c[1]:.3f} | {c[2]:.3f} | "
+            lines.append(f"| {run.label or run.kind} | {p['tokens']:,} | {p['train_s']:.0f} | {c[0]:.3f} | {c[1]:.3f} | {c[2]:.3f} | "
                          f"{p['accepted_len']:.2f} | {p['loss']:.3f} |")
     return "\n".join(lines)
 
 
 def run_curve(cfg, *, kinds: tuple[str, ...], points: int, first_tokens: int, model_train_tokens: Optional[int] = None,
-              log: Callable[[str], None] = print) -> dict:
+              save_head: Optional[Path] = None, log: Callable[[str], None] = print) -> dict:
     """cfg: a DistillConfig of kind eagle3 (target, --answer-tokens, --train-tokens, the head's settings). Makes or
     reuses the teacher pass, splits it by prompt, then trains each kind in `kinds` over the same data."""
     from specpipe.checkpoint.draft_vocab import count_tokens, top_token_ids
     from specpipe.config import DISTILL_KIND_DEFAULTS
     from specpipe.distill.eagle3 import make_head
-    from specpipe.distill.eagle3_run import split_by_prompt
+    from specpipe.distill.eagle3_run import _write_head, split_by_prompt
     from specpipe.distill.eagle3_train import HeadTrainer
     from specpipe.distill.precision import choose_precision
     from specpipe.distill.progress import SilentProgress
@@ -242,13 +158,21 @@ def run_curve(cfg, *, kinds: tuple[str, ...], points: int, first_tokens: int, mo
                                          options=["float32", "bfloat16"]).dtype
         log(f"{kind}: {sum(p.numel() for p in student.parameters()):,} weights, {trainer.dtype}, marks {marks}")
         run = train_with_curve(kind, trainer, evaluate, marks, on_point=lambda p: log(json.dumps(p)))
+        run.label = (f"EAGLE-3 head, TTT {cfg.ttt_steps}" if kind == "eagle3"
+                     else f"{cfg.layers}-layer model draft")
         runs.append(run)
+        if kind == "eagle3" and save_head is not None:  # the last point's weights, in upstream's head format
+            record = {"format": 1, "kind": "eagle3", "made_by": "specpipe.distill.curve", "target": cfg.target,
+                      "config": json.loads(cfg.model_dump_json()), "held_out_chain": run.points[-1],
+                      "data": {"answer_tokens": answer_tokens, "held_out_answers": len(held_out)}}
+            _write_head(student.to("cpu"), Path(save_head), record)
+            log(f"head written to {save_head}")
     return {"machine": describe_machine(cfg.threads).as_dict(), "machine_summary": describe_machine(cfg.threads).summary(),
             "teacher": {"train_answers": len(train_set), "answer_tokens": answer_tokens, "held_out_answers": len(held_out),
                         "held_out_tokens": sum(s.answer_tokens for s in held_out),
                         "dtype": precision["teacher"].dtype},
             "config": json.loads(cfg.model_dump_json()),
-            "runs": [{"kind": r.kind, "train_s": round(r.train_s, 1), "points": r.points} for r in runs]}
+            "runs": [{"kind": r.kind, "label": r.label, "train_s": round(r.train_s, 1), "points": r.points} for r in runs]}
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -269,12 +193,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None)
     @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
     @click.option("--work", type=click.Path(path_type=Path), default=Path("/tmp/specpipe-curve"), show_default=True)
+    @click.option("--ttt-steps", type=int, default=None, help="the head's training-time test steps (default: DistillConfig's)")
     @click.option("--train-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
     @click.option("--threads", type=int, default=None, help="torch threads (default: DistillConfig's)")
+    @click.option("--save-head", type=click.Path(path_type=Path), default=None,
+                  help="write the head's final weights here (upstream's EAGLE-3 format, as distill does)")
     @click.option("--replot", type=click.Path(exists=True, path_type=Path), multiple=True,
                   help="no training: the runs of earlier --json files, in one plot and table")
     def command(target, answer_tokens, train_tokens, model_train_tokens, points, first_tokens, kinds, minutes, plot_path,
-                json_path, work, train_dtype, threads, replot):
+                json_path, work, ttt_steps, train_dtype, threads, save_head, replot):
         try:
             if replot:
                 parts = [json.loads(p.read_text()) for p in replot]
@@ -282,17 +209,19 @@ def main(argv: Optional[list[str]] = None) -> None:
             else:
                 cfg = DistillConfig(target=target, out=work, kind="eagle3", answer_tokens=answer_tokens,
                                     train_tokens=train_tokens, minutes=minutes, force=True, train_dtype=train_dtype,
-                                    **({"threads": threads} if threads else {}))
+                                    **({"threads": threads} if threads else {}),
+                                    **({"ttt_steps": ttt_steps} if ttt_steps else {}))
                 result = run_curve(cfg, kinds=tuple(kinds.split(",")), points=points, first_tokens=first_tokens,
-                                   model_train_tokens=model_train_tokens, log=lambda m: click.echo(m, err=True))
+                                   model_train_tokens=model_train_tokens, save_head=save_head,
+                                   log=lambda m: click.echo(m, err=True))
         except (SpecpipeError, ValueError, KeyError) as err:
             click.echo(f"error: {str(err).splitlines()[0]}", err=True)
             raise SystemExit(2) from None
-        runs = [CurveRun(r["kind"], r["points"], r["train_s"]) for r in result["runs"]]
+        runs = [CurveRun(r["kind"], r["points"], r["train_s"], r.get("label", "")) for r in result["runs"]]
         if plot_path:
             teacher = result["teacher"]
             plot_curve(runs, plot_path, f"{target}: {teacher['answer_tokens']:,} answer tokens, "
-                       f"{teacher['held_out_tokens']:,} held out; {result['machine_summary']}"[:150])
+                       f"{teacher['held_out_tokens']:,} held out (split by prompt); {result['machine_summary']}")
         if json_path:
             json_path.write_text(json.dumps(result, indent=1) + "\n")
         click.echo(table(runs))
