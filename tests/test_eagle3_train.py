@@ -131,3 +131,32 @@ def test_warm_start_passes_the_deepest_feature_through(tiny_model):
     cold = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64), warm_start=False, seed=0)
     assert torch.allclose(warm.fc.weight[:, -width:] - torch.eye(width), cold.fc.weight[:, -width:], atol=1e-6)
     assert torch.equal(warm.fc.weight[:, :-width], cold.fc.weight[:, :-width])
+
+
+def test_curve_command_trains_both_kinds_on_one_teacher_pass_and_plots(tiny_tokenizer, tmp_path, monkeypatch):
+    import json
+
+    from specpipe.distill.curve import main
+    from specpipe.testing.tiny import make_tiny_llama
+
+    tiny_target = make_tiny_llama(tmp_path / "eight", seed=2, num_layers=8, tokenizer=tiny_tokenizer)
+
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "cache"))
+    args = ["--target", str(tiny_target), "--answer-tokens", "400", "--train-tokens", "1200", "--points", "2",
+            "--model-train-tokens", "12000",  # the model draft steps 4,096 tokens at a time
+            "--first-tokens", "400", "--batch-tokens", "256", "--train-dtype", "float32", "--threads", "1",
+            "--work", str(tmp_path / "work"), "--json", str(tmp_path / "curve.json"), "--plot", str(tmp_path / "c.png"),
+            "--save-head", str(tmp_path / "head")]
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    assert done.value.code == 0
+    result = json.loads((tmp_path / "curve.json").read_text())
+    assert [r["kind"] for r in result["runs"]] == ["eagle3", "model"]
+    for run in result["runs"]:
+        assert len(run["points"]) == 2 and run["points"][-1]["tokens"] >= (1200 if run["kind"] == "eagle3" else 12000)
+        assert len(run["points"][-1]["conditional"]) == 3
+    assert (tmp_path / "c.png").stat().st_size > 0 and (tmp_path / "head" / "model.safetensors").is_file()
+    assert len(list((tmp_path / "cache" / "distill-data").iterdir())) == 1  # one teacher pass served both kinds
+    with pytest.raises(SystemExit) as refused:
+        main(["--replot", str(tmp_path / "c.png")])  # not a curve's JSON: one line, exit 2
+    assert refused.value.code == 2

@@ -193,6 +193,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None)
     @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
     @click.option("--work", type=click.Path(path_type=Path), default=Path("/tmp/specpipe-curve"), show_default=True)
+    @click.option("--lr", type=float, default=None, help="the head's peak learning rate (default: its kind's)")
+    @click.option("--batch-tokens", type=int, default=None, help="the head's tokens per step (default: its kind's)")
     @click.option("--ttt-steps", type=int, default=None, help="the head's training-time test steps (default: DistillConfig's)")
     @click.option("--train-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
     @click.option("--threads", type=int, default=None, help="torch threads (default: DistillConfig's)")
@@ -201,7 +203,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     @click.option("--replot", type=click.Path(exists=True, path_type=Path), multiple=True,
                   help="no training: the runs of earlier --json files, in one plot and table")
     def command(target, answer_tokens, train_tokens, model_train_tokens, points, first_tokens, kinds, minutes, plot_path,
-                json_path, work, ttt_steps, train_dtype, threads, save_head, replot):
+                json_path, work, lr, batch_tokens, ttt_steps, train_dtype, threads, save_head, replot):
         try:
             if replot:
                 parts = [json.loads(p.read_text()) for p in replot]
@@ -210,7 +212,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 cfg = DistillConfig(target=target, out=work, kind="eagle3", answer_tokens=answer_tokens,
                                     train_tokens=train_tokens, minutes=minutes, force=True, train_dtype=train_dtype,
                                     **({"threads": threads} if threads else {}),
-                                    **({"ttt_steps": ttt_steps} if ttt_steps else {}))
+                                    lr=lr, batch_tokens=batch_tokens, **({"ttt_steps": ttt_steps} if ttt_steps else {}))
                 result = run_curve(cfg, kinds=tuple(kinds.split(",")), points=points, first_tokens=first_tokens,
                                    model_train_tokens=model_train_tokens, save_head=save_head,
                                    log=lambda m: click.echo(m, err=True))
