@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from specpipe.config import THREADS, Strict, Threads
 
@@ -14,6 +14,13 @@ DistillData = Literal["answers", "stdlib"]
 
 
 DistillDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+# Training settings whose best value differs by --kind; a DistillConfig field left unset takes its kind's value.
+# eagle3: a ~10M-weight head learns most per token with small batches and a higher rate (docs/eagle3.md measures it).
+DISTILL_KIND_DEFAULTS: dict[str, dict[str, float]] = {
+    "model": {"lr": 1e-3, "batch_tokens": 4096},
+    "eagle3": {"lr": 3e-3, "batch_tokens": 1024},
+}
 
 
 class DistillConfig(Strict):
@@ -61,8 +68,10 @@ class DistillConfig(Strict):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the target answers and the draft trains; "
                                                    "auto: CUDA when torch sees a GPU")
-    lr: float = Field(1e-3, gt=0.0, description="peak learning rate (AdamW, cosine over the budget)")
-    batch_tokens: int = Field(4096, ge=64, description="tokens per training step")
+    lr: Optional[float] = Field(None, gt=0.0, description="peak learning rate (AdamW, cosine over the budget); default "
+                                "by --kind: model 1e-3, eagle3 3e-3")
+    batch_tokens: Optional[int] = Field(None, ge=64, description="tokens per training step; default by --kind: model "
+                                        "4096, eagle3 1024")
     negatives: int = Field(2048, ge=0, description="random vocabulary entries scored with the teacher's top-k each step")
     checkpoint_every: int = Field(50, ge=1, description="steps between saved training states (for --resume)")
     resume: bool = Field(False, description="continue a stopped run from OUT's saved training state")
@@ -81,3 +90,12 @@ class DistillConfig(Strict):
     ttt_steps: int = Field(3, ge=1, le=16, description="eagle3: training-time test, steps the head is unrolled on its own states")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3: loss weight of unrolled step k is decay^k (normalized)")
     warm_start: bool = Field(True, description="eagle3: start lm_head rows, final norm and MLP from the target's")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_defaults(cls, values):
+        if isinstance(values, dict):
+            unset = {name: value for name, value in DISTILL_KIND_DEFAULTS.get(values.get("kind", "model"), {}).items()
+                     if values.get(name) is None}
+            values = {**values, **unset}
+        return values

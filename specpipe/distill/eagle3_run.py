@@ -38,6 +38,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     import torch
 
     from specpipe.checkpoint.draft_vocab import count_tokens, top_token_ids
+    from specpipe.distill.acceptance import head_chain_hits
     from specpipe.distill.eagle3 import make_head
     from specpipe.distill.eagle3_train import HeadTrainer
     from specpipe.distill.run import STATE_DIR, DistillResult, _eos_ids, _teacher_data, open_target, set_train_precision
@@ -102,6 +103,9 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
         # Step-0 agreement with the target's greedy token on held-out prompts, of the weights kept (the best seen).
         "held_out_agreement": best[0] if best else None,
         "held_out_agreement_by_step": next((e[4] for e in state.evals if best and e[0] == best[1]), None),
+        # The kept weights drafting chains on the held-out answers: per-position acceptance given the earlier
+        # positions accepted, and accepted tokens per verify at K=3 (distill/acceptance.py states the conventions).
+        "held_out_chain": head_chain_hits(head, held_out).summary() if held_out else None,
         "kept_step": best[1] if best else state.step,
         "held_out_curve": state.evals,
         "verdict": None,  # needs the head's engine cost, measured when it runs as a CPU engine (not yet)

@@ -64,6 +64,9 @@ class HeadTrainer(Trainer):
         # Teacher tokens in draft-vocabulary indices; those the vocabulary lacks get ~0 weight.
         draft_ids = head.target_to_draft(top_ids)
         top_lp = torch.where(draft_ids >= 0, top_lp, torch.full_like(top_lp, OUT_OF_VOCAB_LOGPROB))
+        # A row none of whose teacher tokens the vocabulary holds has nothing to teach (renormalized, its
+        # distribution would land on the clamped id 0).
+        weights = weights * (draft_ids >= 0).any(-1)
         draft_ids = draft_ids.clamp(min=0)
         head.train()
         total = features.new_zeros(())

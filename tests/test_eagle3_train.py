@@ -1,0 +1,162 @@
+"""Training an EAGLE-3 head: what the loss is taught (distill/eagle3_train.py) and the curve's bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+
+
+def _sequence(length: int, top_ids: torch.Tensor, hidden: int, seed: int):
+    from specpipe.distill.teacher import TeacherSequence
+
+    g = torch.Generator().manual_seed(seed)
+    k = top_ids.shape[1]
+    return TeacherSequence(token_ids=torch.randint(0, 200, (length,), generator=g), top_ids=top_ids.int(),
+                           top_logprobs=torch.log_softmax(torch.randn(length - 1, k, generator=g), -1).half(),
+                           prompt_len=0, kind="code", features=torch.randn(length - 1, 3 * hidden, generator=g).half())
+
+
+def _trainer(tiny_model, sequences, tmp_path, vocab_ids):
+    from specpipe.distill.eagle3 import make_head
+    from specpipe.distill.eagle3_train import HeadTrainer
+
+    head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=vocab_ids, warm_start=True, seed=0)
+    # negatives >= the draft vocabulary: every draft token is scored, so the loss does not depend on the batch's ids
+    return HeadTrainer(head, sequences, steps=2, decay=0.8, budget_s=60, lr=1e-3, batch_tokens=512, negatives=10**6,
+                       seed=0, state_path=tmp_path / "state.pt", checkpoint_every=1000)
+
+
+def test_a_position_whose_teacher_tokens_are_all_outside_the_draft_vocabulary_teaches_nothing(tiny_model, tmp_path):
+    """Such a position has no target distribution over the draft vocabulary to learn: it must add no loss (it once
+    taught draft token 0, where every out-of-vocabulary id was clamped)."""
+    hidden, vocab = tiny_model.config.hidden_size, tiny_model.config.vocab_size
+    vocab_ids = torch.arange(0, 64)
+    outside = torch.randint(100, vocab, (11, 4), generator=torch.Generator().manual_seed(3))
+    inside = torch.randint(0, 64, (11, 4), generator=torch.Generator().manual_seed(4))
+    unteachable, ordinary = _sequence(12, outside, hidden, 1), _sequence(12, inside, hidden, 2)
+    trainer = _trainer(tiny_model, [unteachable, ordinary], tmp_path, vocab_ids)
+    both, _, _ = trainer._loss([unteachable, ordinary], "float32")
+    alone, _, _ = trainer._loss([ordinary], "float32")
+    assert torch.allclose(both, alone, rtol=1e-4, atol=1e-5), (float(both), float(alone))
+
+
+class _Oracle(torch.nn.Module):
+    """A 'model draft' whose argmax at row t is the target's greedy token exactly where `right(t)` says."""
+
+    def __init__(self, sequence, vocab: int, right):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.sequence, self.vocab, self.right = sequence, vocab, right
+
+    def forward(self, input_ids):
+        from types import SimpleNamespace
+
+        top = self.sequence.top_ids[:, 0].long()
+        logits = torch.zeros(1, len(top) + 1, self.vocab)
+        for t, token in enumerate(top):
+            logits[0, t, int(token) if self.right(t) else (int(token) + 1) % self.vocab] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def _prompted(length: int, prompt_len: int, hidden: int, seed: int):
+    from specpipe.distill.teacher import TeacherSequence
+
+    g = torch.Generator().manual_seed(seed)
+    return TeacherSequence(token_ids=torch.randint(0, 200, (length,), generator=g),
+                           top_ids=torch.randint(0, 64, (length - 1, 4), generator=g).int(),
+                           top_logprobs=torch.log_softmax(torch.randn(length - 1, 4, generator=g), -1).half(),
+                           prompt_len=prompt_len, kind="code",
+                           features=torch.randn(length - 1, 3 * hidden, generator=g).half())
+
+
+def test_chain_acceptance_counts_answer_rows_and_conditions_on_the_chain():
+    """Right at every even row: position 1 agrees half the time, and a chain never gets two in a row."""
+    from specpipe.distill.acceptance import model_chain_hits
+
+    seq = _prompted(30, 10, 8, 0)
+    summary = model_chain_hits(_Oracle(seq, 320, lambda t: t % 2 == 0), [seq]).summary()
+    # anchors: teacher rows 9 (first answer token) .. 26 (position 3 reads row 28, the last one)
+    assert summary["anchors"] == 18
+    assert summary["agreement"] == [0.5, 0.5, 0.5] and summary["conditional"][:2] == [0.5, 0.0]
+    assert summary["accepted_len"] == 0.5
+    perfect = model_chain_hits(_Oracle(seq, 320, lambda t: True), [seq]).summary()
+    assert perfect["conditional"] == [1.0, 1.0, 1.0] and perfect["accepted_len"] == 3.0
+    late = model_chain_hits(_Oracle(seq, 320, lambda t: t >= 9), [seq]).summary()  # prompt rows do not count
+    assert late["agreement"] == [1.0, 1.0, 1.0]
+
+
+def test_head_chain_hits_read_the_unrolled_step_of_the_row_before(tiny_model):
+    """Position k from anchor a (teacher row a predicts token a+1) is step k-1 of head row a-1, compared with
+    teacher row a+k-1: checked against a direct reading of the unrolled states."""
+    from specpipe.distill.acceptance import head_chain_hits
+    from specpipe.distill.eagle3 import make_head, valid_rows
+
+    hidden = tiny_model.config.hidden_size
+    head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64), warm_start=True, seed=0)
+    seq = _prompted(40, 6, hidden, 5)
+    n = len(seq) - 1
+    with torch.no_grad():
+        tokens = torch.cat([seq.token_ids[1:], torch.zeros(2, dtype=torch.long)])[None]
+        states = head.unrolled(seq.features[None].float(), tokens, valid_rows(torch.tensor([n]), n), 3)
+        # the target's greedy token at row r is what step 0 of head row r-1 drafts: position 1 is always right
+        seq.top_ids[1:, 0] = head.logits(states[0][0, :-1]).argmax(-1).int()
+    expected = [[int(head.logits(states[k][0, a - 1]).argmax()) == int(seq.top_ids[a + k, 0]) for a in range(5, 37)]
+                for k in range(3)]
+    hits = head_chain_hits(head, [seq]).hits
+    assert hits.tolist() == expected and bool(hits[0].all())
+
+
+def test_training_defaults_follow_the_kind_and_an_explicit_value_wins():
+    from specpipe.distill.config import DISTILL_KIND_DEFAULTS, DistillConfig
+
+    assert DistillConfig(target="t", out="o").lr == DISTILL_KIND_DEFAULTS["model"]["lr"]
+    head = DistillConfig(target="t", out="o", kind="eagle3")
+    assert (head.lr, head.batch_tokens) == (DISTILL_KIND_DEFAULTS["eagle3"]["lr"], DISTILL_KIND_DEFAULTS["eagle3"]["batch_tokens"])
+    assert DistillConfig(target="t", out="o", kind="eagle3", lr=1e-4, batch_tokens=None).lr == 1e-4
+
+
+def test_warm_start_passes_the_deepest_feature_through(tiny_model):
+    """fc starts as identity on the last feature layer's block (plus the small random init), zero mean elsewhere."""
+    from specpipe.distill.eagle3 import make_head
+
+    width = tiny_model.config.hidden_size
+    warm = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64), warm_start=True, seed=0)
+    cold = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64), warm_start=False, seed=0)
+    assert torch.allclose(warm.fc.weight[:, -width:] - torch.eye(width), cold.fc.weight[:, -width:], atol=1e-6)
+    assert torch.equal(warm.fc.weight[:, :-width], cold.fc.weight[:, :-width])
+
+
+def test_curve_command_trains_both_kinds_on_one_teacher_pass_and_plots(tiny_tokenizer, tmp_path, monkeypatch):
+    import json
+
+    from specpipe.distill.curve import main
+    from specpipe.testing.tiny import make_tiny_llama
+
+    tiny_target = make_tiny_llama(tmp_path / "eight", seed=2, num_layers=8, tokenizer=tiny_tokenizer)
+
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "cache"))
+    args = ["--target", str(tiny_target), "--answer-tokens", "400", "--train-tokens", "1200", "--points", "2",
+            "--model-train-tokens", "12000",  # the model draft steps 4,096 tokens at a time
+            "--first-tokens", "400", "--batch-tokens", "256", "--train-dtype", "float32", "--threads", "1",
+            "--work", str(tmp_path / "work"), "--json", str(tmp_path / "curve.json"), "--plot", str(tmp_path / "c.png"),
+            "--save-head", str(tmp_path / "head")]
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    assert done.value.code == 0
+    result = json.loads((tmp_path / "curve.json").read_text())
+    assert [r["kind"] for r in result["runs"]] == ["eagle3", "model"]
+    for run in result["runs"]:
+        assert len(run["points"]) == 2 and run["points"][-1]["tokens"] >= (1200 if run["kind"] == "eagle3" else 12000)
+        assert len(run["points"][-1]["conditional"]) == 3
+    assert (tmp_path / "c.png").stat().st_size > 0 and (tmp_path / "head" / "model.safetensors").is_file()
+    assert len(list((tmp_path / "cache" / "distill-data").iterdir())) == 1  # one teacher pass served both kinds
+    with pytest.raises(SystemExit) as refused:
+        main(["--replot", str(tmp_path / "c.png")])  # not a curve's JSON: one line, exit 2
+    assert refused.value.code == 2
