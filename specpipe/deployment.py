@@ -56,12 +56,15 @@ def bounded_generation_config(max_draft_len: int, **overrides) -> GenerationConf
 
 def make_drafter(folder: Path, draft: DraftEntry, target: Engine, threads: int) -> Optional[Drafter]:
     """The drafter the manifest's `draft` section describes: kind model, self (the target quantized: a
-    model draft too), ngram (prompt lookup, no engine), or none (the target alone: build found no draft
-    that made decoding faster; every request then decodes target-only)."""
+    model draft too), eagle3 (a head drafting from the target's features), ngram (prompt lookup, no engine),
+    or none (the target alone: build found no draft that made decoding faster; every request then decodes
+    target-only)."""
     if draft.kind == "none":
         return None
     if draft.kind == "ngram":
         return NgramDrafter.from_config(draft.ngram)
+    if draft.kind == "eagle3":
+        return eagle3_drafter(folder / draft.path, target, target.folder)
     return ModelDrafter(load_engine(folder / draft.engine.path, threads=threads), target.vocab_size)
 
 

@@ -222,7 +222,16 @@ def target_embedding(engine_folder: str | Path) -> np.ndarray:
                   if node.op_type == "Transpose" and node.input[0] in initializers}
 
     def load(name: str) -> np.ndarray:
-        return numpy_helper.to_array(initializers[name], base_dir=str(path.parent)).astype(np.float32)
+        tensor = initializers[name]
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            return numpy_helper.to_array(tensor).astype(np.float32)
+        # Read from the data file directly: onnx's own reader refuses a hard-linked file (a "hardlink attack"),
+        # and builds and Triton repositories hard-link their engines.
+        where = {entry.key: entry.value for entry in tensor.external_data}
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+        count = int(np.prod(tensor.dims))
+        data = np.fromfile(path.parent / where["location"], dtype=dtype, count=count, offset=int(where.get("offset", 0)))
+        return data.reshape(tuple(tensor.dims)).astype(np.float32)
 
     for node in model.graph.node:
         if node.op_type != "Gather" or len(node.input) != 2 or node.input[1] != "input_ids":
