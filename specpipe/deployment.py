@@ -74,11 +74,25 @@ def eagle3_drafter(head_folder: Path, target: Engine, target_folder: Path) -> Ea
     from specpipe.checkpoint.eagle3 import read_eagle3_head
     from specpipe.engines.eagle3_head import Eagle3HeadEngine, check_pairing, target_embedding
 
-    if read_eagle3_head(str(head_folder)) is None:
+    info = read_eagle3_head(str(head_folder))
+    if info is None:
         raise UsageError(f"--draft {head_folder} is not an EAGLE-3 head (config.json naming LlamaForCausalLMEagle3)")
-    head = Eagle3HeadEngine(head_folder, target_embedding(target_folder), dtype="auto")  # bf16 where the CPU has it
+    # A head that names no layers reads EAGLE-3's default ones (export/features.py), as upstream's loaders assume.
+    layers = info.layers_to_capture or _default_feature_layers(target_folder)
+    head = Eagle3HeadEngine(head_folder, target_embedding(target_folder), dtype="auto",  # bf16 where the CPU has it
+                            feature_layers=layers)
     check_pairing(head, getattr(target, "feature_layers", ()), target.vocab_size, target_folder)
     return Eagle3Drafter(head, target.vocab_size)
+
+
+def _default_feature_layers(target_folder: Path) -> tuple[int, ...]:
+    from specpipe.engines.base import read_engine_meta
+    from specpipe.export.features import default_layers
+
+    try:
+        return default_layers(int(read_engine_meta(target_folder)["num_layers"]))
+    except ValueError as err:
+        raise UsageError(f"the head names no feature layers and EAGLE-3's defaults do not fit this target: {err}") from None
 
 
 def make_scheduler(target: Engine, drafter: Optional[Drafter], eos_token_ids, costs: Optional[StepCosts],

@@ -129,3 +129,24 @@ def test_a_head_the_target_cannot_feed_is_refused(tiny_target, tiny_head, tmp_pa
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "EAGLE-3 head" in errors[0] and "Traceback" not in err, err
     assert not (tmp_path / "e").exists() or not any((tmp_path / "e").iterdir())
+
+
+def test_a_head_naming_no_layers_reads_the_default_ones(tiny_tokenizer, tmp_path):
+    """Upstream heads may leave eagle_config out: they read EAGLE-3's default layers (1, N/2-1, N-4)."""
+    from specpipe.builder import build
+    from specpipe.contract.manifest import read_manifest
+    from specpipe.deployment import load_deployment
+    from specpipe.testing.tiny import make_tiny_llama
+
+    target = make_tiny_llama(tmp_path / "target8", seed=2, num_layers=8, tokenizer=tiny_tokenizer)
+    head = _head(target, tmp_path / "head", (1, 3, 4))
+    config = json.loads((head / "config.json").read_text())
+    del config["eagle_config"]
+    (head / "config.json").write_text(json.dumps(config))
+    folder = build(BuildConfig(target=str(target), draft=str(head), name="defaults", engines_dir=tmp_path / "e",
+                               repo_dir=None))
+    assert read_manifest(folder).draft.feature_layers == [1, 3, 4]
+    deployment = load_deployment(folder, threads=1)
+    assert deployment.drafter.head.feature_layers == (1, 3, 4)
+    result = deployment.generator.generate("def add(a, b):", deployment.generation_config(max_new_tokens=12))
+    assert result.stats.drafted > 0

@@ -56,7 +56,8 @@ class Eagle3HeadEngine:
     """The head in `folder` (config.json + model.safetensors). `target_embedding` [vocab, H]: the target's input
     embedding (heads carry none; `target_embedding` below reads it from the target's ONNX graph)."""
 
-    def __init__(self, folder: str | Path, target_embedding: np.ndarray, *, dtype: str = "float32"):
+    def __init__(self, folder: str | Path, target_embedding: np.ndarray, *, dtype: str = "float32",
+                 feature_layers: Optional[Sequence[int]] = None):
         import torch
 
         self.folder = Path(folder)
@@ -70,7 +71,9 @@ class Eagle3HeadEngine:
         self.head_dim = int(config.get("head_dim") or self.hidden_size // self.heads)
         self.eps = float(config["rms_norm_eps"])
         self.max_seq_len = int(config.get("max_position_embeddings", 2048))
-        self.feature_layers = tuple(int(i) for i in (config.get(EAGLE3_CONFIG_BLOCK) or {}).get(EAGLE3_LAYER_IDS_KEY) or ())
+        # the layers its config names; `feature_layers` for a head that names none (EAGLE-3's defaults)
+        named = (config.get(EAGLE3_CONFIG_BLOCK) or {}).get(EAGLE3_LAYER_IDS_KEY) or feature_layers or ()
+        self.feature_layers = tuple(int(i) for i in named)
         self.feature_width = self.w["fc.weight"].shape[1]
         self.draft_vocab_size = self.w["lm_head.weight"].shape[0]
         if target_embedding.shape[1] != self.hidden_size:
