@@ -56,12 +56,15 @@ def bounded_generation_config(max_draft_len: int, **overrides) -> GenerationConf
 
 def make_drafter(folder: Path, draft: DraftEntry, target: Engine, threads: int) -> Optional[Drafter]:
     """The drafter the manifest's `draft` section describes: kind model, self (the target quantized: a
-    model draft too), ngram (prompt lookup, no engine), or none (the target alone: build found no draft
-    that made decoding faster; every request then decodes target-only)."""
+    model draft too), eagle3 (a head drafting from the target's features), ngram (prompt lookup, no engine),
+    or none (the target alone: build found no draft that made decoding faster; every request then decodes
+    target-only)."""
     if draft.kind == "none":
         return None
     if draft.kind == "ngram":
         return NgramDrafter.from_config(draft.ngram)
+    if draft.kind == "eagle3":
+        return eagle3_drafter(folder / draft.path, target, target.folder)
     return ModelDrafter(load_engine(folder / draft.engine.path, threads=threads), target.vocab_size)
 
 
@@ -71,11 +74,25 @@ def eagle3_drafter(head_folder: Path, target: Engine, target_folder: Path) -> Ea
     from specpipe.checkpoint.eagle3 import read_eagle3_head
     from specpipe.engines.eagle3_head import Eagle3HeadEngine, check_pairing, target_embedding
 
-    if read_eagle3_head(str(head_folder)) is None:
+    info = read_eagle3_head(str(head_folder))
+    if info is None:
         raise UsageError(f"--draft {head_folder} is not an EAGLE-3 head (config.json naming LlamaForCausalLMEagle3)")
-    head = Eagle3HeadEngine(head_folder, target_embedding(target_folder), dtype="auto")  # bf16 where the CPU has it
+    # A head that names no layers reads EAGLE-3's default ones (export/features.py), as upstream's loaders assume.
+    layers = info.layers_to_capture or _default_feature_layers(target_folder)
+    head = Eagle3HeadEngine(head_folder, target_embedding(target_folder), dtype="auto",  # bf16 where the CPU has it
+                            feature_layers=layers)
     check_pairing(head, getattr(target, "feature_layers", ()), target.vocab_size, target_folder)
     return Eagle3Drafter(head, target.vocab_size)
+
+
+def _default_feature_layers(target_folder: Path) -> tuple[int, ...]:
+    from specpipe.engines.base import read_engine_meta
+    from specpipe.export.features import default_layers
+
+    try:
+        return default_layers(int(read_engine_meta(target_folder)["num_layers"]))
+    except ValueError as err:
+        raise UsageError(f"the head names no feature layers and EAGLE-3's defaults do not fit this target: {err}") from None
 
 
 def make_scheduler(target: Engine, drafter: Optional[Drafter], eos_token_ids, costs: Optional[StepCosts],

@@ -308,6 +308,23 @@ def test_chi_square_catches_a_misplaced_q(markov, target, good):
     assert min(p_second, p_third) < 0.001
 
 
+# --- the gate's memo engine (gate/memo.py) remembers features beside logits ---
+
+
+def test_the_gates_memo_engine_gives_the_head_the_same_features(target, good):
+    """The gate samples through an engine that remembers logits by prefix; a head drafting through it must see the
+    features the target computes: the same drafts accepted, on the first pass (misses) and the second (hits)."""
+    from specpipe.gate.memo import MemoEngine
+
+    memo = MemoEngine(target)
+    for prompt in PROMPTS[:2]:
+        base, base_stats = greedy(SpeculativeDecoder(target, good), prompt, 2)
+        for _ in range(2):
+            spec, stats = greedy(SpeculativeDecoder(memo, good), prompt, 2)
+            assert spec == base and (stats.drafted, stats.accepted) == (base_stats.drafted, base_stats.accepted)
+    assert memo.hits > 0 and base_stats.accepted > 0
+
+
 # --- generate / bench --draft HEAD on a built deployment ---
 
 

@@ -28,7 +28,7 @@ from specpipe.builder.measure import (
 from specpipe.builder.config import BuildConfig
 from specpipe.checkpoint.facts import CONTEXT_LENGTH_UNSAID
 from specpipe.config import MAX_SEQ_LEN
-from specpipe.contract.drafts import draft_kind
+from specpipe.checkpoint.eagle3 import draft_kind_of, read_eagle3_head
 from specpipe.engines import load_engine
 from specpipe.engines.onnxruntime import optimize_for_cpu, write_engine_meta
 from specpipe.engines.shared_kv import KV_LAYOUT
@@ -40,6 +40,7 @@ from specpipe.contract.manifest import (
     ChoiceSample,
     DraftChoice,
     DraftEntry,
+    Eagle3Draft,
     EngineRecord,
     ExportCheck,
     Manifest,
@@ -81,7 +82,7 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     from specpipe.quantize import check_kv_cache_dtype
 
     check_kv_cache_dtype(cfg.quant, cfg.backend.kind)  # refuse, never silently ignore, a KV precision we cannot do
-    kinds = {spec: draft_kind(spec) for spec in cfg.draft}
+    kinds = {spec: draft_kind_of(spec) for spec in cfg.draft}
     if cfg.draft_vocab and "model" not in kinds.values():
         raise UsageError(f"--draft-vocab applies to a draft model; --draft {', '.join(cfg.draft)} has no head of its own")
     started = time.perf_counter()
@@ -96,19 +97,22 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         check_pair(target.path, models[spec].path)
     vocabs = {spec: _draft_vocab(cfg, target, draft) for spec, draft in models.items()}
     eos_token_ids = sorted(inspect_checkpoint(target.path).eos_token_ids)
+    heads = [spec for spec, kind in kinds.items() if kind == "eagle3"]
+    feature_layers = _head_feature_layers(heads, cfg, inspect_checkpoint(target.path)) if heads else None
 
     Path(cfg.engines_dir).mkdir(parents=True, exist_ok=True)
     with _staging(final) as stage:
         tokenizer = load_tokenizer(target.path)
         tokenizer.save_pretrained(str(stage / "tokenizer"))
         timings: dict[str, float] = {}
-        target_entry = _build_engine(target, stage / "target", cfg, cfg.quant, tokenizer, say, timings, "target")
+        target_entry = _build_engine(target, stage / "target", cfg, cfg.quant, tokenizer, say, timings, "target",
+                                     feature_layers=feature_layers)
         target_entry.verify_consistency, target_entry.min_rows_per_call = measure_target_min_rows(
             stage / "target", target_entry.engine.quant, cfg, tokenizer, say, timings)
 
         def build_draft(spec: str, out: Path, spent: dict) -> DraftEntry:
             return _build_draft(spec, kinds[spec], out, stage, cfg, models.get(spec), vocabs.get(spec), target,
-                                tokenizer, say, spent, target_entry)
+                                tokenizer, say, spent, target_entry, feature_layers)
 
         choice = None
         if cfg.choosing:
@@ -155,9 +159,12 @@ def _require_folders(cfg: BuildConfig) -> None:
             raise UsageError(f"{option} {folder} is not a folder{where}")
 
 def _build_draft(spec: str, kind: str, out: Path, stage: Path, cfg: BuildConfig, draft, vocab: Optional[dict], target,
-                 tokenizer, say: Progress, timings: dict, target_entry: ModelEntry) -> DraftEntry:
+                 tokenizer, say: Progress, timings: dict, target_entry: ModelEntry,
+                 feature_layers: Optional[tuple[int, ...]] = None) -> DraftEntry:
     """Build one --draft candidate's files in `out` (its engine in out/draft); returns its manifest entry,
     whose paths are relative to `out`. `stage` holds the target's engines (a self-draft starts from them)."""
+    if kind == "eagle3":
+        return _copy_head(spec, out / "draft", feature_layers, target_entry, say)
     if kind == "none":
         return NoDraft(kind="none", source="none")
     if kind == "ngram":
@@ -176,6 +183,51 @@ def _build_draft(spec: str, kind: str, out: Path, stage: Path, cfg: BuildConfig,
         say(f"exporting the draft with optimum, not the target's builder graph ({why_not_genai}): it drafts row by row")
     entry = _build_engine(draft, out / "draft", cfg, cfg.draft_quant, tokenizer, say, timings, "draft", vocab, graph)
     return ModelDraft.of(entry)
+
+
+def _head_feature_layers(heads: list[str], cfg: BuildConfig, info) -> tuple[int, ...]:
+    """The target layers every --draft EAGLE-3 head reads (the target graph outputs them), refused in one line
+    when the target's graph cannot output them or the heads disagree."""
+    from specpipe.export.features import check_layers, default_layers
+
+    wanted = {}
+    for spec in heads:
+        head = read_eagle3_head(spec)
+        try:
+            wanted[spec] = check_layers(head.layers_to_capture or default_layers(info.num_layers), info.num_layers)
+        except ValueError as err:
+            raise UsageError(f"--draft {spec} is an EAGLE-3 head this target cannot feed: {err}") from None
+    if len(set(wanted.values())) > 1:
+        raise UsageError("the --draft EAGLE-3 heads read different target layers ("
+                         + "; ".join(f"{spec}: {list(layers)}" for spec, layers in wanted.items())
+                         + "): one target engine outputs one set")
+    layers = next(iter(wanted.values()))
+    # The builder's graph outputs features; optimum's does not, and a builder-quantized target is rebuilt from the
+    # checkpoint without them (quantize/weight_only.py), so a head is built with the unquantized builder graph.
+    refusal = ("--quant " + cfg.quant.mode if cfg.quant.mode != "none" else None) or builder_refusal(info, cfg.quant.mode)
+    if refusal is None and target_graph(cfg, info) != "genai":
+        refusal = f"--target-graph {cfg.backend.target_graph}" + (" (onnxruntime-genai is not installed)"
+                                                                   if cfg.backend.target_graph == "auto" else "")
+    if refusal:
+        raise UsageError(f"--draft {heads[0]} is an EAGLE-3 head reading target layers {list(layers)}: only the "
+                         f"unquantized builder graph (--target-graph genai) outputs them, not this target's ({refusal})")
+    return layers
+
+
+def _copy_head(spec: str, out: Path, feature_layers: tuple[int, ...], target_entry: ModelEntry, say: Progress) -> Eagle3Draft:
+    """An EAGLE-3 head is used as given: its config, its weights (and its distill record) copied into `out`."""
+    from specpipe.checkpoint.eagle3 import WEIGHTS_FILE
+    from specpipe.distill.run import RECORD
+
+    say(f"copying the EAGLE-3 head {spec} (it reads target layers {list(feature_layers)})")
+    out.mkdir(parents=True)
+    for name in ("config.json", WEIGHTS_FILE, RECORD):
+        if (Path(spec) / name).is_file():
+            shutil.copy2(Path(spec) / name, out / name)
+    head = read_eagle3_head(str(out))
+    return Eagle3Draft(kind="eagle3", source=spec, path=out.name, feature_layers=list(feature_layers),
+                       draft_vocab_size=head.draft_vocab_size or target_entry.checkpoint.get("vocab_size"),
+                       files=file_hashes(out))
 
 
 def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Callable[[str, Path, dict], DraftEntry],
@@ -197,7 +249,7 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
         entries[spec] = build_draft(spec, folders[spec], spent)
         drafter = make_drafter(folders[spec], entries[spec], target, cfg.backend.threads)
         say(f"timing the engines of {spec} for adaptive K")
-        costs = measure_step_costs(target, getattr(drafter, "engine", None))
+        costs = measure_step_costs(target, getattr(drafter, "engine", None), head=getattr(drafter, "head", None))
         candidates.append(Candidate(spec, kinds[spec], drafter, costs, source=entries[spec].source,
                                                  weights_sha256=getattr(entries[spec], "weights_sha256", None),
                                                  build_timings_s=spent))
@@ -290,9 +342,11 @@ def _draft_vocab(cfg: BuildConfig, target, draft) -> Optional[dict]:
 
 
 def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progress, timings: dict, role: str,
-                  vocab: Optional[dict] = None, graph: Optional[str] = None) -> dict:
+                  vocab: Optional[dict] = None, graph: Optional[str] = None,
+                  feature_layers: Optional[tuple[int, ...]] = None) -> dict:
     """Export one checkpoint with `graph`'s exporter (None: the target's choice, target_graph), optimize it for
     ONNX Runtime, slice its head to `vocab` (a draft), check it against torch, then quantize it.
+    `feature_layers`: the builder graph also outputs those layers' hidden states (an EAGLE-3 head's input).
 
     A quantized engine keeps its unquantized reference beside it (<role>-fp32) so `validate --remeasure`
     can measure its accuracy again; the manifest records the accuracy numbers and the budget."""
@@ -304,7 +358,7 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
     if graph == "genai":
         say(f"exporting {role} to ONNX (onnxruntime-genai's model builder: shared KV buffer, {info.num_layers} layers)")
         with tempfile.TemporaryDirectory(prefix="specpipe-export-") as raw:
-            run_model_builder(ckpt.path, Path(raw) / "out", "fp32", Path(raw) / "cache")
+            run_model_builder(ckpt.path, Path(raw) / "out", "fp32", Path(raw) / "cache", feature_layers=feature_layers)
             out.mkdir(parents=True, exist_ok=True)
             for name in ("model.onnx", "model.onnx.data"):  # the runtime's genai_config.json is not ours to keep
                 shutil.move(str(Path(raw) / "out" / name), out / name)
@@ -339,6 +393,7 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         max_seq_len=min(int(info.max_position_embeddings or CONTEXT_LENGTH_UNSAID), MAX_SEQ_LEN),
         quant="none",
         **({"kv_layout": KV_LAYOUT} if graph == "genai" else {"ort_optimized": True}),
+        **({"feature_layers": list(feature_layers)} if feature_layers else {}),
     )
     t1 = time.perf_counter()
     say(f"checking the {role} engine against torch")

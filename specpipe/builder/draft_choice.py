@@ -14,7 +14,7 @@ from specpipe.contract.manifest import CandidateMeasurement
 from specpipe.deployment import bounded_generation_config
 
 NONE = "none"  # the candidate that is always there: the target alone
-MODEL_KINDS = ("model", "self")  # drafts with an engine of their own: they cost a step, so they can slow decoding
+MODEL_KINDS = ("model", "self", "eagle3")  # drafts with an engine of their own: they cost a step, so they can slow decoding
 
 
 def choose(measurements: Sequence[CandidateMeasurement], min_speedup: float) -> tuple[str, str]:

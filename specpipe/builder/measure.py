@@ -28,22 +28,24 @@ from specpipe.builder.draft_choice import MODEL_KINDS, NONE, adaptive_ceiling
 from specpipe.contract.costs import BatchCosts, StepCosts
 from specpipe.contract.drafts import DraftKind
 from specpipe.contract.manifest import CandidateMeasurement, ConsistencyRecord, DraftEntry
-from specpipe.deployment import bounded_generation_config
+from specpipe.deployment import bounded_generation_config, eagle3_drafter
 from specpipe.engines import load_engine
 from specpipe.engines.base import Engine
 from specpipe.engines.onnxruntime import TARGET_MIN_ROWS
-from specpipe.engines.timing import batch_step_ms, step_ms
+from specpipe.engines.timing import batch_step_ms, head_step_ms, step_ms
 from specpipe.speculative.adaptive import predicted_speedup
 from specpipe.speculative.drafters import Drafter
 from specpipe.speculative.generator import SpecGenerator
 
-def measure_step_costs(target, draft=None, *, verify_tokens: int = 8) -> StepCosts:
+def measure_step_costs(target, draft=None, *, head=None, verify_tokens: int = 8) -> StepCosts:
     """Time the engines alone on a 64-token cache (medians): a target call on 1 and on 1 + verify_tokens
-    tokens, and a draft step. Prompt lookup (no draft engine) costs nothing."""
+    tokens, and a draft step of the draft engine or of an EAGLE-3 `head` (engines/eagle3_head.py). Prompt
+    lookup (no draft engine) costs nothing."""
     one = step_ms(target, 1)
     many = step_ms(target, 1 + verify_tokens)
+    draft_ms = step_ms(draft, 1) if draft is not None else head_step_ms(head) if head is not None else 0.0
     return StepCosts(
-        draft=step_ms(draft, 1) / one if draft is not None else 0.0,
+        draft=draft_ms / one,
         verify_per_token=max(many - one, 0.0) / verify_tokens / one,
     )
 
@@ -101,6 +103,8 @@ def measure_built_step_costs(stage: Path, draft_entry: DraftEntry, cfg: BuildCon
     K's inputs (speculative/adaptive.py). Recorded once, so every process serving the build drafts alike.
     A draft without an engine (prompt lookup, none) costs nothing."""
     target = load_engine(stage / "target", threads=cfg.backend.threads, min_rows=target_min_rows)
+    if draft_entry.kind == "eagle3":
+        return measure_step_costs(target, head=eagle3_drafter(stage / draft_entry.path, target, stage / "target").head)
     engine = getattr(draft_entry, "engine", None)  # prompt lookup and none have no engine
     draft = load_engine(stage / engine.path, threads=cfg.backend.threads) if engine is not None else None
     return measure_step_costs(target, draft)

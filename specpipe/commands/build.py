@@ -194,6 +194,8 @@ def _print_summary(folder: Path, manifest: Manifest) -> None:
             click.echo(f"  draft  head scores its {d.vocab.size} most used tokens ({d.vocab.coverage:.1%} of its training tokens)")
     elif d.kind == "self":
         click.echo(f"  draft  {d.source}: top-1 agreement with the target {d.quant.accuracy.top1_agreement:.3f}")
+    elif d.kind == "eagle3":
+        click.echo(f"  draft  EAGLE-3 head {d.source}: reads target layers {d.feature_layers}, scores {d.draft_vocab_size} tokens")
     elif d.kind == "ngram":
         click.echo(f"  draft  prompt lookup (n-grams {d.ngram.ngram_min}..{d.ngram.ngram_max})")
     else:

@@ -10,11 +10,13 @@ from pydantic import Field, model_validator
 from specpipe.config import Strict
 
 
-DraftKind = Literal["model", "ngram", "self", "none"]
+DraftKind = Literal["model", "ngram", "self", "eagle3", "none"]
 
 
 def draft_kind(spec: str) -> DraftKind:
-    """What a --draft value names: prompt lookup, the target quantized, no draft, or a checkpoint."""
+    """What a --draft value names by its text: prompt lookup, the target quantized, no draft, or a checkpoint
+    ("model"). Whether a checkpoint folder is an EAGLE-3 head ("eagle3") only its config.json says:
+    checkpoint/eagle3.py `draft_kind_of` reads it."""
     if spec in ("ngram", "none"):
         return spec
     return "self" if spec.startswith("self:") else "model"

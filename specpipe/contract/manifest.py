@@ -175,6 +175,19 @@ class NgramDraft(_Part):
     ngram: NgramConfig
 
 
+class Eagle3Draft(_Part):
+    """An EAGLE-3 head (upstream's format, copied as given into `path`) drafting from the target's features: the
+    target engine outputs `feature_layers` (its engine.json says the same)."""
+
+    kind: Literal["eagle3"] = "eagle3"
+    source: str
+    path: str = "draft"  # the head's folder (config.json, model.safetensors), relative to the build folder
+    feature_layers: list[int]  # layer-output ids (export/features.py) the head reads
+    draft_vocab_size: int  # the target tokens the head scores (its lm_head rows)
+    files: dict[str, str] = Field(default_factory=dict, description="file name -> sha256")
+    prediction: Optional[Prediction] = None
+
+
 class NoDraft(_Part):
     """The target alone decodes every request (build found no draft that made decoding faster)."""
 
@@ -182,7 +195,7 @@ class NoDraft(_Part):
     source: str = "none"
 
 
-DraftEntry = Annotated[Union[ModelDraft, SelfDraft, NgramDraft, NoDraft], Field(discriminator="kind")]
+DraftEntry = Annotated[Union[ModelDraft, SelfDraft, Eagle3Draft, NgramDraft, NoDraft], Field(discriminator="kind")]
 
 
 class CandidateMeasurement(_Record):
@@ -190,7 +203,7 @@ class CandidateMeasurement(_Record):
     K, every candidate and the target alone on the same prompts in one run; speedup over the target alone."""
 
     draft: str  # the --draft value
-    kind: Literal["model", "self", "ngram", "none"]
+    kind: Literal["model", "self", "eagle3", "ngram", "none"]
     prompts: int
     tokens_generated: int
     tokens_per_s: float
@@ -287,6 +300,8 @@ class Manifest(_Part):
         for entry in (self.target, self.draft):
             if isinstance(entry, (ModelEntry, SelfDraft)):
                 paths += [entry.engine.path] + ([entry.quant.reference_path] if entry.quant and entry.quant.reference_path else [])
+            elif isinstance(entry, Eagle3Draft):
+                paths.append(entry.path)
         return list(dict.fromkeys(paths))
 
     def as_dict(self) -> dict[str, Any]:

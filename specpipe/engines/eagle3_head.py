@@ -56,7 +56,8 @@ class Eagle3HeadEngine:
     """The head in `folder` (config.json + model.safetensors). `target_embedding` [vocab, H]: the target's input
     embedding (heads carry none; `target_embedding` below reads it from the target's ONNX graph)."""
 
-    def __init__(self, folder: str | Path, target_embedding: np.ndarray, *, dtype: str = "float32"):
+    def __init__(self, folder: str | Path, target_embedding: np.ndarray, *, dtype: str = "float32",
+                 feature_layers: Optional[Sequence[int]] = None):
         import torch
 
         self.folder = Path(folder)
@@ -70,7 +71,9 @@ class Eagle3HeadEngine:
         self.head_dim = int(config.get("head_dim") or self.hidden_size // self.heads)
         self.eps = float(config["rms_norm_eps"])
         self.max_seq_len = int(config.get("max_position_embeddings", 2048))
-        self.feature_layers = tuple(int(i) for i in (config.get(EAGLE3_CONFIG_BLOCK) or {}).get(EAGLE3_LAYER_IDS_KEY) or ())
+        # the layers its config names; `feature_layers` for a head that names none (EAGLE-3's defaults)
+        named = (config.get(EAGLE3_CONFIG_BLOCK) or {}).get(EAGLE3_LAYER_IDS_KEY) or feature_layers or ()
+        self.feature_layers = tuple(int(i) for i in named)
         self.feature_width = self.w["fc.weight"].shape[1]
         self.draft_vocab_size = self.w["lm_head.weight"].shape[0]
         if target_embedding.shape[1] != self.hidden_size:
@@ -222,7 +225,16 @@ def target_embedding(engine_folder: str | Path) -> np.ndarray:
                   if node.op_type == "Transpose" and node.input[0] in initializers}
 
     def load(name: str) -> np.ndarray:
-        return numpy_helper.to_array(initializers[name], base_dir=str(path.parent)).astype(np.float32)
+        tensor = initializers[name]
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            return numpy_helper.to_array(tensor).astype(np.float32)
+        # Read from the data file directly: onnx's own reader refuses a hard-linked file (a "hardlink attack"),
+        # and builds and Triton repositories hard-link their engines.
+        where = {entry.key: entry.value for entry in tensor.external_data}
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+        count = int(np.prod(tensor.dims))
+        data = np.fromfile(path.parent / where["location"], dtype=dtype, count=count, offset=int(where.get("offset", 0)))
+        return data.reshape(tuple(tensor.dims)).astype(np.float32)
 
     for node in model.graph.node:
         if node.op_type != "Gather" or len(node.input) != 2 or node.input[1] != "input_ids":

@@ -24,6 +24,24 @@ def step_ms(engine, new_tokens: int, *, context_len: int = 64, repeats: int = 20
     return statistics.median(seconds) * 1e3
 
 
+def head_step_ms(head, *, context_len: int = 64, repeats: int = 20) -> float:
+    """Median ms of one EAGLE-3 draft step (engines/eagle3_head.py) on a `context_len`-row cache: what the head
+    costs per drafted token. The features are made up: the time does not depend on their values."""
+    import numpy as np
+
+    cache = head.new_cache()
+    features = np.random.default_rng(0).standard_normal((context_len, head.feature_width)).astype(np.float32)
+    tokens = [int(head.token_ids[i % len(head.token_ids)]) for i in range(context_len)]
+    _, state = head.context_rows(cache, tokens, features)
+    seconds = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        head.draft_step(cache, tokens[0], state)
+        seconds.append(time.perf_counter() - t0)
+        cache.truncate(context_len)
+    return statistics.median(seconds[1:]) * 1e3
+
+
 def batch_step_ms(engine, rows: int, *, context_len: int = 64, repeats: int = 5) -> float:
     """Median ms of one batched call appending one token to each of `rows` rows, each holding a
     `context_len`-token cache. An engine without batched calls runs its rows one by one."""
