@@ -34,6 +34,7 @@ from specpipe.speculative.equivalence import compare_greedy, near_tie_tolerance
 from specpipe.speculative.sampling import shape_probs
 from specpipe.speculative.stats import SpecStats
 from specpipe.testing.distribution import chi_square_p
+from tests.test_batching import batch_outputs
 
 BETA = 1.0
 LAYERS = (1, 2, 4)
@@ -412,40 +413,13 @@ BATCH_CFGS = [
 BATCH_PROMPTS = [PROMPTS[0], list(range(60, 100)), [9, 8, 7], PROMPTS[1], list(range(120, 137))]
 
 
-def run_batched(scheduler, prompts, cfgs):
-    """Each request read on its own thread, request i sent once request i-1 has tokens (joins mid-flight)."""
-    import threading
-
-    outputs, stats = [None] * len(prompts), [SpecStats() for _ in prompts]
-    started = [threading.Event() for _ in prompts]
-
-    def read(i):
-        if i:
-            started[i - 1].wait(30)
-        tokens = []
-        try:
-            for step in scheduler.decode(prompts[i], cfgs[i], stats[i]):
-                tokens += step
-                started[i].set()
-            outputs[i] = tokens
-        finally:
-            started[i].set()
-
-    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    return outputs, stats
-
-
 def batched_drafts_match_alone(target, drafter) -> bool:
     """Run BATCH_CFGS through a 3-slot scheduler; True when every fixed-K request drafted and accepted exactly what
     the single-request decoder does, and every output is the target's (asserted)."""
     from specpipe.speculative.batching import BatchScheduler
 
     scheduler = BatchScheduler(target, drafter, [], None, max_batch_size=3, max_queue=16, prefill_chunk=16)
-    outputs, stats = run_batched(scheduler, BATCH_PROMPTS, BATCH_CFGS)
+    outputs, stats = batch_outputs(scheduler, BATCH_PROMPTS, BATCH_CFGS, stagger=True)  # each joins mid-flight
     decoder, alone = SpeculativeDecoder(target, drafter), SpeculativeDecoder(target, None)
     same = True
     for prompt, cfg, out, batched in zip(BATCH_PROMPTS, BATCH_CFGS, outputs, stats):
