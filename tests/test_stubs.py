@@ -34,9 +34,13 @@ def test_leftover_regions_of_this_repository_go_and_those_in_use_or_of_others_st
     # A running process whose command line names a prefix stands for the server that uses those regions.
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", shm_prefix(repo, "00c0ffee")])
     try:
-        # The premise, checked first (one unexplained failure under 3 loaded sessions: the in-use region went):
-        # the holder runs and its command line names the prefix, as clean_leftovers reads it.
-        assert shm_prefix(repo, "00c0ffee") in _cmdline(holder.pid), "premise: the holder's command line is readable"
+        # The premise: the holder's command line names the prefix. Popen returns once the child's exec has closed
+        # its close-on-exec pipe, which the kernel does before it writes the new program's arguments: for a moment
+        # /proc/PID/cmdline reads '' (seen under the hog: the in-use region went). Wait for the exec to finish.
+        deadline = time.monotonic() + 60
+        while shm_prefix(repo, "00c0ffee") not in _cmdline(holder.pid):
+            assert time.monotonic() < deadline and holder.poll() is None, "premise: the holder's command line names the prefix"
+            time.sleep(0.01)
         cleaned = clean_leftovers(repo)
         assert holder.poll() is None, f"premise: the holder exited early (status {holder.returncode})"
         assert (cleaned.stubs, cleaned.regions, cleaned.region_bytes) == (0, 1, 8192)
