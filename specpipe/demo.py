@@ -24,7 +24,8 @@ from rich.table import Table
 
 from specpipe.builder.config import BuildConfig
 from specpipe.config import THREADS
-from specpipe.contract.manifest import MANIFEST, Manifest, read_manifest
+from specpipe.contract.manifest import MANIFEST, Manifest
+from specpipe.drafts import read_manifest
 from specpipe.contract.quant import QuantConfig
 from specpipe.distill.config import DistillConfig
 
