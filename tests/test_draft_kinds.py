@@ -160,3 +160,12 @@ def test_an_existing_manifest_reads_as_before_with_its_schedule(tiny_build):
     assert manifest.decoding.schedule_rows() == [(1, 3), (8, 0)]
     del data["draft"]["kind"]
     assert manifest_of(data).draft.kind == "model"
+
+
+def test_a_kind_is_refused_on_a_backend_its_policy_does_not_support(repeat_kind, tiny_target, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(RepeatDecoding, "backends", ("trtllm",))
+    with pytest.raises(SystemExit) as exc:
+        main(build_args(tiny_target, tmp_path, "repeat", "--draft", "repeat:3"))
+    assert exc.value.code == 2
+    assert "--draft repeat:3 (a repeat draft) runs on trtllm, not --backend onnxruntime" in capsys.readouterr().err
+    assert not (tmp_path / "repeat").exists()

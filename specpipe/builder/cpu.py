@@ -80,6 +80,10 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
 
     check_kv_cache_dtype(cfg.quant, cfg.backend.kind)  # refuse, never silently ignore, a KV precision we cannot do
     kinds = {spec: kind_of(spec) for spec in cfg.draft}
+    for spec, kind in kinds.items():
+        if not kind.entry.policy.supports_backend(cfg.backend.kind):
+            raise UsageError(f"--draft {spec} (a {kind.name} draft) runs on {', '.join(kind.entry.policy.backends)}, "
+                             f"not --backend {cfg.backend.kind}")
     if cfg.draft_vocab and not any(kind.has_checkpoint for kind in kinds.values()):
         raise UsageError(f"--draft-vocab applies to a draft model; --draft {', '.join(cfg.draft)} has no head of its own")
     started = time.perf_counter()
