@@ -116,7 +116,7 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
             return kinds[spec].build(spec, out, BuildContext(
                 cfg=cfg, stage=stage, target=target, target_entry=target_entry, tokenizer=tokenizer, say=say,
                 timings=spent, checkpoint=models.get(spec), vocab=vocabs.get(spec), feature_layers=feature_layers,
-                builder={"export": _build_engine, "draft_graph": draft_graph}))
+                export=_build_engine, draft_graph=draft_graph))
 
         choice = None
         if cfg.choosing:

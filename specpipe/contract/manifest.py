@@ -162,10 +162,6 @@ class DraftEntry(_Part):
         """Its files in the deployment, relative to the build folder."""
         return []
 
-    @classmethod
-    def kind_name(cls) -> str:
-        return cls.model_fields["kind"].default
-
 
 class CandidateMeasurement(_Record):
     """One --draft candidate (or "none", the target alone) as builder/draft_choice.py measured it: greedy, adaptive

@@ -8,7 +8,7 @@ deployment makes its proposer (`drafter`) and how `build` makes its files (`buil
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
@@ -33,7 +33,9 @@ class BuildContext:
     checkpoint: Any = None  # the resolved draft checkpoint (kinds with `has_checkpoint`)
     vocab: Optional[dict] = None  # the draft head's columns (checkpoint/draft_vocab.py), or None for all
     feature_layers: Optional[tuple[int, ...]] = None  # the target layers its engine outputs (kinds that read them)
-    builder: dict[str, Callable[..., Any]] = field(default_factory=dict)  # the builder's steps, by name (builder/cpu.py)
+    # The builder's own steps (builder/cpu.py), for a kind that exports a checkpoint as the target is exported:
+    export: Optional[Callable[..., ModelEntry]] = None  # _build_engine: export, check against torch, quantize
+    draft_graph: Optional[Callable[..., tuple[str, Optional[str]]]] = None  # which exporter makes a draft model
 
 
 class DraftKind:

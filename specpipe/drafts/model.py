@@ -56,10 +56,10 @@ class ModelKind(DraftKind):
             shutil.copytree(ctx.stage / "target", out / "draft", copy_function=_link_or_copy)
             engine = target_entry.engine.model_copy(update={"path": "draft"})
             return ModelDraft.of(target_entry, source=draft.source, engine=engine)
-        graph, why_not_genai = ctx.builder["draft_graph"](cfg, inspect_checkpoint(draft.path), target_entry.engine.graph)
+        graph, why_not_genai = ctx.draft_graph(cfg, inspect_checkpoint(draft.path), target_entry.engine.graph)
         if why_not_genai:
             ctx.say(f"exporting the draft with optimum, not the target's builder graph ({why_not_genai}): it drafts row by row")
-        entry = ctx.builder["export"](draft, out / "draft", cfg, cfg.draft_quant, ctx.tokenizer, ctx.say, ctx.timings,
+        entry = ctx.export(draft, out / "draft", cfg, cfg.draft_quant, ctx.tokenizer, ctx.say, ctx.timings,
                                       "draft", ctx.vocab, graph)
         return ModelDraft.of(entry)
 
