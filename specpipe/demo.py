@@ -24,7 +24,8 @@ from rich.table import Table
 
 from specpipe.builder.config import BuildConfig
 from specpipe.config import THREADS
-from specpipe.contract.manifest import MANIFEST, Manifest, read_manifest
+from specpipe.contract.manifest import MANIFEST, Manifest
+from specpipe.drafts import read_manifest
 from specpipe.contract.quant import QuantConfig
 from specpipe.distill.config import DistillConfig
 
@@ -193,7 +194,7 @@ def generate_samples(demo: Demo) -> str:
     speedups = []
     for kind, prompt in PROMPTS:
         spec = generator.generate(prompt, deployment.generation_config(max_new_tokens=MAX_NEW_TOKENS), chat=True)
-        alone = generator.generate(prompt, deployment.generation_config(max_new_tokens=MAX_NEW_TOKENS, speculative=False),
+        alone = generator.generate(prompt, deployment.decoding.request(0, max_new_tokens=MAX_NEW_TOKENS),
                                    chat=True)
         speedups.append(spec.tokens_per_s / alone.tokens_per_s)
         demo.console.print(Panel(spec.text.strip(), title=f"[{kind}] {prompt}", title_align="left"))

@@ -27,6 +27,8 @@ PACKAGE = Path(specpipe.__file__).parent
 #                 (accuracy, speed), so it needs the runtime, while no runtime needs the quantizer
 #   quantize      weight-only, W8A8 and fp8 graphs, calibration, accuracy budgets
 #   speculative   drafters, the acceptance rule and the decoding loop
+#   drafts        the draft kinds (model, self, eagle3, ngram, none), one module each, and their registry: each owns
+#                 its manifest entry, decoding policy, proposer and build step (the builder hands that step its tools)
 #   deployment    deployment.py, which opens a built folder as engines + drafter; testing/ holds what tests share
 #   triton        the served repository (model config, Python model, client and server)
 #   gate          the validation gate: greedy, distribution, quantization and latency checks
@@ -44,6 +46,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engines", ("specpipe.engines",)),
     ("quantize", ("specpipe.quantize",)),
     ("speculative", ("specpipe.speculative",)),
+    ("drafts", ("specpipe.drafts",)),
     ("deployment", ("specpipe.deployment", "specpipe.testing")),
     ("triton", ("specpipe.triton",)),
     ("gate", ("specpipe.gate",)),

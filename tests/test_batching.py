@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specpipe.contract.costs import BatchCosts, StepCosts
-from specpipe.contract.drafts import parse_draft_schedule
+from specpipe.contract.decoding import parse_draft_schedule
 from specpipe.contract.drafts import NgramConfig
 from specpipe.contract.generation import GenerationConfig, SamplingConfig
 from specpipe.contract.manifest import ServingRecord
@@ -677,11 +677,11 @@ def test_batched_drafting_makes_speculation_pay_where_lone_drafting_does_not():
 
 
 def test_a_manifest_without_draft_batch_costs_plans_as_before(pair):
-    from specpipe.contract.manifest import Manifest
+    from specpipe.drafts import manifest_of
 
     old = pair.manifest.as_dict()
     del old["draft_batch_costs"]
-    manifest = Manifest.model_validate(old)
+    manifest = manifest_of(old)
     assert manifest.draft_batch_costs is None
     scheduler = make_scheduler(pair.target, pair.drafter, [], pair.costs, manifest)
     assert scheduler.draft_batch_costs is None
@@ -695,7 +695,7 @@ def test_batch_costs_interpolate_and_extrapolate():
 
 
 def test_a_user_schedule_overrides_the_plan(pair):
-    schedule = parse_draft_schedule("1:4,3:2,8:0")
+    schedule = list(parse_draft_schedule("1:4,3:2,8:0").items())
     assert [scheduled_draft_length(schedule, n) for n in (1, 2, 3, 4, 9)] == [4, 2, 2, 0, 0]
     for bad in ("4", "2:1,1:3", "a:1", "0:2"):
         with pytest.raises(ValueError):

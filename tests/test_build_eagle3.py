@@ -1,5 +1,5 @@
-"""`specpipe build --draft HEAD`: an EAGLE-3 head built into a deployment (builder/cpu.py, contract/manifest.py
-Eagle3Draft, deployment.py make_drafter).
+"""`specpipe build --draft HEAD`: an EAGLE-3 head built into a deployment (builder/cpu.py, drafts/eagle3.py
+Eagle3Draft and its drafter).
 
 The tiny target has 2 layers, so the only layer whose output feeds another is layer 0: the tiny head reads
 (0,), and a head reading (1,) is one this target cannot feed. The head is random (identity-fc warm start), so
@@ -45,7 +45,7 @@ def head_build(tiny_target, tiny_head, tmp_path_factory):
 
 
 def test_build_writes_the_head_and_its_manifest_entry(head_build, tiny_head):
-    from specpipe.contract.manifest import read_manifest
+    from specpipe.drafts import read_manifest
     from specpipe.speculative.eagle3 import DEFAULT_HEAD_DRAFT_COST
 
     manifest = read_manifest(head_build)
@@ -98,7 +98,7 @@ def test_several_candidates_measure_the_head(tiny_target, tiny_head, tmp_path, m
     """The head is measured like the others, with its own measured step cost; deployed (the choice forced here:
     a random head on a loaded machine is rarely the fastest), its files and costs are the deployment's."""
     from specpipe.builder import build
-    from specpipe.contract.manifest import read_manifest
+    from specpipe.drafts import read_manifest
     from specpipe.deployment import load_deployment
     from specpipe.speculative.eagle3 import DEFAULT_HEAD_DRAFT_COST, Eagle3Drafter
 
@@ -134,7 +134,7 @@ def test_a_head_the_target_cannot_feed_is_refused(tiny_target, tiny_head, tmp_pa
 def test_a_head_naming_no_layers_reads_the_default_ones(tiny_tokenizer, tmp_path):
     """Upstream heads may leave eagle_config out: they read EAGLE-3's default layers (1, N/2-1, N-4)."""
     from specpipe.builder import build
-    from specpipe.contract.manifest import read_manifest
+    from specpipe.drafts import read_manifest
     from specpipe.deployment import load_deployment
     from specpipe.testing.tiny import make_tiny_llama
 

@@ -313,9 +313,9 @@ def _quant_entry(mode: str, ppl_rel_change: float, top1: float) -> dict:
 
 
 def _manifest(target: dict, draft: dict):
-    from specpipe.contract.manifest import Manifest
+    from specpipe.drafts import manifest_of
 
-    return Manifest(name="m", created="", tokenizer={"hash": "h"}, target=target, draft={"kind": "model", **draft})
+    return manifest_of(dict(name="m", created="", tokenizer={"hash": "h"}, target=target, draft={"kind": "model", **draft}))
 
 
 def test_quantization_check_reads_the_manifest(tmp_path):

@@ -12,6 +12,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from specpipe.contract.manifest import Manifest, write_manifest
+from specpipe.drafts.none import NoDraft
 from specpipe.errors import EngineError, OutputExistsError, UsageError
 from specpipe.triton import ModelSpec, TensorSpec, parse_config, read_config, served_model_spec, write_repository
 from specpipe.triton.model_config import DynamicBatching, EnsembleStep
@@ -259,7 +260,7 @@ def fake_build(tmp_path):
     (build / "tokenizer").mkdir()
     (build / "onnx").mkdir()  # a GPU build's work files: not part of the deployment
     manifest = Manifest(name="tiny", created="", tokenizer={"hash": "h"}, target={"source": "t", "engine": {"path": "target"}},
-                        draft={"kind": "none"})
+                        draft=NoDraft())
     write_manifest(build, manifest)
     (build / "target" / "model.onnx").write_bytes(b"\0" * 1024)
     return build

@@ -13,7 +13,10 @@ import pytest
 from specpipe.builder import make_plan
 from specpipe.builder.run import _manifest
 from specpipe.builder.trtllm_manifest import AT_BUILD
-from specpipe.contract.manifest import MANIFEST, Manifest, ModelDraft, NgramDraft, read_manifest
+from specpipe.contract.manifest import MANIFEST
+from specpipe.drafts import manifest_of, read_manifest
+from specpipe.drafts.model import ModelDraft
+from specpipe.drafts.ngram import NgramDraft
 from specpipe.errors import EngineError
 from tests.test_gpu_plan import _cfg, _engine_cfg
 
@@ -24,12 +27,12 @@ def test_llmapi_dry_run_plan_holds_the_manifest_the_build_writes(tmp_path):
     plan = make_plan(_cfg(tmp_path))
     manifest = plan.manifest
     assert manifest is not None
-    assert Manifest.model_validate(json.loads(manifest.model_dump_json())) == manifest  # reads back as written
+    assert manifest_of(json.loads(manifest.model_dump_json())) == manifest  # reads back as written
     assert (manifest.target.engine.backend, manifest.target.engine.graph, manifest.target.engine.path) == ("trtllm", "hf", "hf/target")
     assert isinstance(manifest.draft, ModelDraft) and manifest.draft.engine.path == "hf/draft"
     assert manifest.tokenizer.hash == AT_BUILD and manifest.max_draft_len == 8
     # Draft_Target: K up to max_concurrency (none here: the default plan never drafts 0 up to batch 8)
-    assert manifest.serving.max_batch_size == 8 and manifest.serving.draft_schedule == "8:8"
+    assert manifest.serving.max_batch_size == 8 and manifest.serving.draft_schedule == {8: 8}
     assert manifest.build["backend"]["kind"] == "trtllm"
     (step,) = [s for s in plan.steps if s.id == "manifest"]
     assert step.writes == (str(Path(plan.work_dir) / MANIFEST),)
@@ -42,7 +45,7 @@ def test_engine_flow_and_ngram_and_schedules(tmp_path):
     assert engine.serving.draft_schedule is None  # 1.2.1: clients choose num_draft_tokens per request
     ngram = make_plan(_cfg(tmp_path, draft="ngram", draft_len_schedule={1: 8, 4: 0})).manifest
     assert isinstance(ngram.draft, NgramDraft)
-    assert ngram.serving.draft_schedule == "3:8"  # max_concurrency 3: speculation off from batch 4 on
+    assert ngram.serving.draft_schedule == {3: 8}  # max_concurrency 3: speculation off from batch 4 on
 
 
 def test_dry_run_shows_the_manifest_and_writes_none(tmp_path):

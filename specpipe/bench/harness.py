@@ -22,6 +22,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Protocol
 
+from specpipe.contract.decoding import DecodingPolicy
 from specpipe.contract.generation import GenerationConfig
 from specpipe.speculative.generator import SpecGenerator
 
@@ -87,18 +88,18 @@ class SpecRow:
 
 
 def spec_rows(generator: SpecGenerator, draft_lengths: list[int], adaptive: bool, label_prefix: str = "",
-              make_config: Callable[..., GenerationConfig] = GenerationConfig,
+              decoding: DecodingPolicy = DecodingPolicy(max_draft_len=64),
               strategy: str = "draft-model") -> list[SpecRow]:
-    """Target-only, fixed K for each K, and the adaptive default, all on one generator. `make_config` is the
-    deployment's `generation_config`, so the adaptive row keeps K within the build's max_draft_len as served.
-    `strategy` names what the generator's drafter is (a peer row is compared with the row of its strategy)."""
+    """Target-only, fixed K for each K, and the adaptive default, all on one generator. `decoding` is the
+    deployment's, so every row asks for its K as a served request does (the adaptive row within the build's
+    max_draft_len). `strategy` names what the generator's drafter is (a peer row is compared with the row of its
+    strategy)."""
     greedy = dict(stop_on_eos=True)
-    rows = [SpecRow(label_prefix + BASELINE, generator, make_config(speculative=False, **greedy), "target-only", None)]
+    rows = [SpecRow(label_prefix + BASELINE, generator, decoding.request(0, **greedy), "target-only", None)]
     for k in draft_lengths:
-        cfg = make_config(num_draft_tokens=k, draft_length="fixed", **greedy)
-        rows.append(SpecRow(f"{label_prefix}K={k}", generator, cfg, "speculative", k, strategy))
+        rows.append(SpecRow(f"{label_prefix}K={k}", generator, decoding.request(k, **greedy), "speculative", k, strategy))
     if adaptive:
-        cfg = make_config(draft_length="adaptive", **greedy)
+        cfg = decoding.request(None, draft_length="adaptive", **greedy)
         rows.append(SpecRow(f"{label_prefix}adaptive", generator, cfg, "speculative", None, strategy))
     return rows
 

@@ -242,7 +242,7 @@ def _requests_batched(model_dir: Path, parameters) -> int:
     """Requests one instance decodes together: the model's max_batch_size parameter, else its build's
     (manifest `serving`; 1 for builds made before continuous batching). config.pbtxt's own max_batch_size is
     the request tensors' batch dimension, not this."""
-    from specpipe.contract.manifest import read_manifest
+    from specpipe.drafts import read_manifest
 
     if parameters.max_batch_size:
         return parameters.max_batch_size

@@ -42,7 +42,7 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
     generator = deployment.generator
     strategy = STRATEGY_OF_DRAFT.get("eagle3" if cfg.head else deployment.manifest.draft.kind, "draft-model")
     rows = spec_rows(generator, cfg.draft_lengths if deployment.drafter is not None else [],
-                     cfg.adaptive and deployment.drafter is not None, make_config=deployment.generation_config,
+                     cfg.adaptive and deployment.drafter is not None, decoding=deployment.decoding,
                      strategy=strategy)
     from specpipe.bench.peers import peer_rows, peer_versions
 

@@ -10,7 +10,8 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import Field, field_validator, model_validator
 
 from specpipe.config import MAX_SEQ_LEN, NAME_PATTERN, THREADS, THREADS_HELP, Strict, Threads
-from specpipe.contract.drafts import SELF_DRAFT_QUANTS, NgramConfig, parse_draft_schedule
+from specpipe.contract.decoding import DraftSchedule
+from specpipe.contract.drafts import SELF_DRAFT_QUANTS, NgramConfig
 from specpipe.contract.generation import BenchPromptSet
 from specpipe.contract.quant import QuantConfig
 
@@ -150,7 +151,7 @@ class OnnxRuntimeBackend(Strict):
         "(--backend tensorrt/trtllm: 8 unless given)",
     )
     max_queue: int = Field(64, ge=0, description="requests that may wait for a batch slot; beyond that a request is refused at once")
-    draft_schedule: Optional[str] = Field(
+    draft_schedule: Optional[DraftSchedule] = Field(
         None,
         description="batch size -> K table overriding adaptive K under load, e.g. '1:4,4:2,8:1' (up to 1 "
         "request K=4, up to 4 K=2, up to 8 K=1, more: 0 = no speculation); default: chosen per step by goodput",
@@ -161,13 +162,6 @@ class OnnxRuntimeBackend(Strict):
         "buffer: batches requests); optimum = optimum's export; auto = genai for Llama-family targets, unquantized or "
         "weight-only quantized",
     )
-
-    @field_validator("draft_schedule")
-    @classmethod
-    def _schedule_parses(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None:
-            parse_draft_schedule(v)
-        return v
 
 
 class _GpuBackend(Strict):

@@ -28,7 +28,9 @@ from specpipe.builder.measure import (
 from specpipe.builder.config import BuildConfig
 from specpipe.checkpoint.facts import CONTEXT_LENGTH_UNSAID
 from specpipe.config import MAX_SEQ_LEN
-from specpipe.checkpoint.eagle3 import draft_kind_of, read_eagle3_head
+from specpipe.checkpoint.eagle3 import read_eagle3_head
+from specpipe.contract.drafts import DISTILL_RECORD
+from specpipe.drafts import BuildContext, kind_named, kind_of, make_drafter
 from specpipe.engines import load_engine
 from specpipe.engines.onnxruntime import optimize_for_cpu, write_engine_meta
 from specpipe.engines.shared_kv import KV_LAYOUT
@@ -40,18 +42,13 @@ from specpipe.contract.manifest import (
     ChoiceSample,
     DraftChoice,
     DraftEntry,
-    Eagle3Draft,
     EngineRecord,
     ExportCheck,
     Manifest,
-    ModelDraft,
     ModelEntry,
-    NgramDraft,
-    NoDraft,
     Prediction,
     QuantCandidate,
     QuantRecord,
-    SelfDraft,
     ServingRecord,
     TokenizerRecord,
     VocabRecord,
@@ -82,22 +79,26 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
     from specpipe.quantize import check_kv_cache_dtype
 
     check_kv_cache_dtype(cfg.quant, cfg.backend.kind)  # refuse, never silently ignore, a KV precision we cannot do
-    kinds = {spec: draft_kind_of(spec) for spec in cfg.draft}
-    if cfg.draft_vocab and "model" not in kinds.values():
+    kinds = {spec: kind_of(spec) for spec in cfg.draft}
+    for spec, kind in kinds.items():
+        if not kind.entry.policy.supports_backend(cfg.backend.kind):
+            raise UsageError(f"--draft {spec} (a {kind.name} draft) runs on {', '.join(kind.entry.policy.backends)}, "
+                             f"not --backend {cfg.backend.kind}")
+    if cfg.draft_vocab and not any(kind.has_checkpoint for kind in kinds.values()):
         raise UsageError(f"--draft-vocab applies to a draft model; --draft {', '.join(cfg.draft)} has no head of its own")
     started = time.perf_counter()
 
     say(f"resolving target {cfg.target}")
     target = resolve_checkpoint(cfg.target, allow_pickle=cfg.allow_pickle)
     models = {}  # draft checkpoints (prompt lookup, self-drafts and none have none of their own)
-    for spec in (spec for spec, kind in kinds.items() if kind == "model"):
+    for spec in (spec for spec, kind in kinds.items() if kind.has_checkpoint):
         say(f"resolving draft {spec}")
         models[spec] = resolve_checkpoint(spec, allow_pickle=cfg.allow_pickle)
         say("checking the pair is compatible")
         check_pair(target.path, models[spec].path)
     vocabs = {spec: _draft_vocab(cfg, target, draft) for spec, draft in models.items()}
     eos_token_ids = sorted(inspect_checkpoint(target.path).eos_token_ids)
-    heads = [spec for spec, kind in kinds.items() if kind == "eagle3"]
+    heads = [spec for spec, kind in kinds.items() if kind.reads_target_features]
     feature_layers = _head_feature_layers(heads, cfg, inspect_checkpoint(target.path)) if heads else None
 
     Path(cfg.engines_dir).mkdir(parents=True, exist_ok=True)
@@ -111,8 +112,11 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
             stage / "target", target_entry.engine.quant, cfg, tokenizer, say, timings)
 
         def build_draft(spec: str, out: Path, spent: dict) -> DraftEntry:
-            return _build_draft(spec, kinds[spec], out, stage, cfg, models.get(spec), vocabs.get(spec), target,
-                                tokenizer, say, spent, target_entry, feature_layers)
+            """One --draft candidate's files in `out` (its engine in out/draft), by its kind's build step."""
+            return kinds[spec].build(spec, out, BuildContext(
+                cfg=cfg, stage=stage, target=target, target_entry=target_entry, tokenizer=tokenizer, say=say,
+                timings=spent, checkpoint=models.get(spec), vocab=vocabs.get(spec), feature_layers=feature_layers,
+                export=_build_engine, draft_graph=draft_graph))
 
         choice = None
         if cfg.choosing:
@@ -158,33 +162,6 @@ def _require_folders(cfg: BuildConfig) -> None:
             where = "" if blocker == folder else f" ({blocker} is a file)"
             raise UsageError(f"{option} {folder} is not a folder{where}")
 
-def _build_draft(spec: str, kind: str, out: Path, stage: Path, cfg: BuildConfig, draft, vocab: Optional[dict], target,
-                 tokenizer, say: Progress, timings: dict, target_entry: ModelEntry,
-                 feature_layers: Optional[tuple[int, ...]] = None) -> DraftEntry:
-    """Build one --draft candidate's files in `out` (its engine in out/draft); returns its manifest entry,
-    whose paths are relative to `out`. `stage` holds the target's engines (a self-draft starts from them)."""
-    if kind == "eagle3":
-        return _copy_head(spec, out / "draft", feature_layers, target_entry, say)
-    if kind == "none":
-        return NoDraft(kind="none", source="none")
-    if kind == "ngram":
-        return NgramDraft(kind="ngram", source="ngram", ngram=cfg.ngram)
-    if kind == "self":
-        return _build_self_draft(spec, stage, out, cfg, tokenizer, say, timings, target_entry)
-    if draft.weights_sha256 == target.weights_sha256 and cfg.draft_quant == cfg.quant and vocab is None:
-        say("draft is the target: reusing its engine")
-        shutil.copytree(stage / "target", out / "draft", copy_function=_link_or_copy)
-        engine = target_entry.engine.model_copy(update={"path": "draft"})
-        return ModelDraft.of(target_entry, source=draft.source, engine=engine)
-    from specpipe.checkpoint import inspect_checkpoint
-
-    graph, why_not_genai = draft_graph(cfg, inspect_checkpoint(draft.path), target_entry.engine.graph)
-    if why_not_genai:
-        say(f"exporting the draft with optimum, not the target's builder graph ({why_not_genai}): it drafts row by row")
-    entry = _build_engine(draft, out / "draft", cfg, cfg.draft_quant, tokenizer, say, timings, "draft", vocab, graph)
-    return ModelDraft.of(entry)
-
-
 def _head_feature_layers(heads: list[str], cfg: BuildConfig, info) -> tuple[int, ...]:
     """The target layers every --draft EAGLE-3 head reads (the target graph outputs them), refused in one line
     when the target's graph cannot output them or the heads disagree."""
@@ -214,22 +191,6 @@ def _head_feature_layers(heads: list[str], cfg: BuildConfig, info) -> tuple[int,
     return layers
 
 
-def _copy_head(spec: str, out: Path, feature_layers: tuple[int, ...], target_entry: ModelEntry, say: Progress) -> Eagle3Draft:
-    """An EAGLE-3 head is used as given: its config, its weights (and its distill record) copied into `out`."""
-    from specpipe.checkpoint.eagle3 import WEIGHTS_FILE
-    from specpipe.distill.run import RECORD
-
-    say(f"copying the EAGLE-3 head {spec} (it reads target layers {list(feature_layers)})")
-    out.mkdir(parents=True)
-    for name in ("config.json", WEIGHTS_FILE, RECORD):
-        if (Path(spec) / name).is_file():
-            shutil.copy2(Path(spec) / name, out / name)
-    head = read_eagle3_head(str(out))
-    return Eagle3Draft(kind="eagle3", source=spec, path=out.name, feature_layers=list(feature_layers),
-                       draft_vocab_size=head.draft_vocab_size or target_entry.checkpoint.get("vocab_size"),
-                       files=file_hashes(out))
-
-
 def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Callable[[str, Path, dict], DraftEntry],
                   tokenizer, eos_token_ids: list[int], say: Progress,
                   target_min_rows: int) -> tuple[DraftEntry, StepCosts, DraftChoice]:
@@ -237,7 +198,6 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
     chosen one's files into the stage; the others are removed with that folder.
     Returns (the chosen draft's manifest entry, its step costs, the manifest's `draft_choice`)."""
     from specpipe.builder import draft_choice
-    from specpipe.deployment import make_drafter
 
     target = load_engine(stage / "target", threads=cfg.backend.threads, min_rows=target_min_rows)
     candidates, entries, folders = [], {}, {}
@@ -250,7 +210,7 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
         drafter = make_drafter(folders[spec], entries[spec], target, cfg.backend.threads)
         say(f"timing the engines of {spec} for adaptive K")
         costs = measure_step_costs(target, getattr(drafter, "engine", None), head=getattr(drafter, "head", None))
-        candidates.append(Candidate(spec, kinds[spec], drafter, costs, source=entries[spec].source,
+        candidates.append(Candidate(spec, kinds[spec].name, drafter, costs, source=entries[spec].source,
                                                  weights_sha256=getattr(entries[spec], "weights_sha256", None),
                                                  build_timings_s=spent))
 
@@ -267,7 +227,7 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
     )  # fmt: skip
     del candidates, target  # the ONNX Runtime sessions, before their files move
     if chosen == draft_choice.NONE:
-        entry = NoDraft(kind="none", source="none")
+        entry = kind_named(draft_choice.NONE).entry()  # the target alone
         costs = measure_built_step_costs(stage, entry, cfg, target_min_rows)
     else:
         entry = entries[chosen]
@@ -298,31 +258,30 @@ def _predict(spec: str, entry: DraftEntry, draft_ckpt, costs: StepCosts, cfg: Bu
     """A single model draft's predicted speedup (adaptive K's model with this machine's step costs), when an
     earlier measurement gives its acceptance: its distill record's held-out agreement, or a self-draft's
     top-1 agreement. Recorded in `entry`; a warning when below 1.0x (the draft makes decoding slower)."""
-    from specpipe.builder.draft_choice import MODEL_KINDS, adaptive_ceiling
     from specpipe.speculative.adaptive import predicted_speedup
 
-    if entry.kind not in MODEL_KINDS:
+    if not kind_named(entry.kind).has_engine:
         return []
     acceptance, source = _known_acceptance(entry, draft_ckpt)
     if acceptance is None:
         return []
-    speedup = predicted_speedup(acceptance, costs, adaptive_ceiling(cfg.max_draft_len))
+    speedup = predicted_speedup(acceptance, costs, entry.policy(max_draft_len=cfg.max_draft_len).adaptive_ceiling)
     entry.prediction = Prediction(speedup=speedup, acceptance=acceptance, acceptance_from=source)
     return [_slow_draft(spec, speedup, acceptance, source, costs)] if speedup < 1.0 else []
 
 
-def _known_acceptance(entry: ModelDraft | SelfDraft, draft_ckpt) -> tuple[Optional[float], str]:
-    """A single draft's expected per-token acceptance, when something measured it before this build."""
+def _known_acceptance(entry: DraftEntry, draft_ckpt) -> tuple[Optional[float], str]:
+    """A single draft's expected per-token acceptance, when something measured it before this build: a self-draft's
+    top-1 agreement (its quantization accuracy), a distilled checkpoint's record."""
+    quant = getattr(entry, "quant", None)
     if entry.kind == "self":
-        agreement = entry.quant.accuracy.top1_agreement if entry.quant.accuracy is not None else None
+        agreement = quant.accuracy.top1_agreement if quant.accuracy is not None else None
         return agreement, "top-1 agreement with the target (quantization accuracy)"
-    from specpipe.distill.run import RECORD
-
-    record = Path(draft_ckpt.path) / RECORD if draft_ckpt is not None else None
+    record = Path(draft_ckpt.path) / DISTILL_RECORD if draft_ckpt is not None else None
     if record is None or not record.is_file():
         return None, ""
     agreement = json.loads(record.read_text()).get("held_out_agreement")
-    return agreement, f"{RECORD} held_out_agreement"
+    return agreement, f"{DISTILL_RECORD} held_out_agreement"
 
 
 def _slow_draft(spec: str, speedup: float, acceptance: float, source: str, costs) -> str:
@@ -505,38 +464,6 @@ def draft_graph(cfg: BuildConfig, info, target_graph_built: str) -> tuple[str, O
         return "optimum", None
     refusal = builder_refusal(info, cfg.draft_quant.mode)
     return ("optimum", f"draft {refusal}") if refusal else ("genai", None)
-
-
-def _build_self_draft(spec: str, stage: Path, out: Path, cfg: BuildConfig, tokenizer, say: Progress, timings: dict,
-                      target_entry: ModelEntry) -> SelfDraft:
-    """`--draft self:MODE`: the target's own engine, weight-only quantized, drafts for it.
-
-    Quantized from the unquantized target engine (`target/`, or `target-fp32/` when --quant quantized the
-    target). Its accuracy is measured and recorded but never fails the build: a draft's precision changes
-    how often it is accepted, never the output.
-    """
-    from specpipe.contract.quant import QuantConfig
-    from specpipe.quantize import quantize_engine
-
-    mode = spec.removeprefix("self:")
-    reference = (target_entry.quant.reference_path if target_entry.quant else None) or target_entry.engine.path
-    t0 = time.perf_counter()
-    say(f"quantizing the target ({mode}) as its own draft")
-    quant = quantize_engine(stage / reference, out / "draft", QuantConfig(mode=mode, accept_accuracy_loss=True),
-                            tokenizer, model_name="self-draft", threads=cfg.backend.threads)
-    timings["draft_quantize_s"] = time.perf_counter() - t0
-    return SelfDraft(
-        kind="self", source=f"{spec} of {target_entry.source}",
-        engine=EngineRecord(path="draft", backend="onnxruntime", quant=mode, files=file_hashes(out / "draft")),
-        quant=QuantRecord(**quant, reference_path=reference),
-    )  # fmt: skip
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 @contextmanager

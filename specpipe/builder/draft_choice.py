@@ -11,10 +11,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from specpipe.contract.manifest import CandidateMeasurement
-from specpipe.deployment import bounded_generation_config
 
 NONE = "none"  # the candidate that is always there: the target alone
-MODEL_KINDS = ("model", "self", "eagle3")  # drafts with an engine of their own: they cost a step, so they can slow decoding
 
 
 def choose(measurements: Sequence[CandidateMeasurement], min_speedup: float) -> tuple[str, str]:
@@ -30,7 +28,3 @@ def choose(measurements: Sequence[CandidateMeasurement], min_speedup: float) -> 
     return NONE, (f"no draft was {min_speedup:.2f}x as fast as the target alone (best: {best.draft} at "
                   f"{best.speedup:.2f}x): deploying the target alone")
 
-
-def adaptive_ceiling(max_draft_len: int) -> int:
-    """The largest K adaptive drafting tries on a deployment built for max_draft_len (as served)."""
-    return bounded_generation_config(max_draft_len).max_draft_tokens

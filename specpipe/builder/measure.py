@@ -24,11 +24,10 @@ from typing import Callable, Optional, Sequence
 from specpipe.bench.harness import SpecRow, run_rows, summarize
 from specpipe.bench.prompts import load_prompt_sets
 from specpipe.builder.config import BuildConfig, DraftChoiceConfig
-from specpipe.builder.draft_choice import MODEL_KINDS, NONE, adaptive_ceiling
+from specpipe.builder.draft_choice import NONE
 from specpipe.contract.costs import BatchCosts, StepCosts
-from specpipe.contract.drafts import DraftKind
 from specpipe.contract.manifest import CandidateMeasurement, ConsistencyRecord, DraftEntry
-from specpipe.deployment import bounded_generation_config, eagle3_drafter
+from specpipe.drafts import kind_named, make_drafter
 from specpipe.engines import load_engine
 from specpipe.engines.base import Engine
 from specpipe.engines.onnxruntime import TARGET_MIN_ROWS
@@ -103,11 +102,8 @@ def measure_built_step_costs(stage: Path, draft_entry: DraftEntry, cfg: BuildCon
     K's inputs (speculative/adaptive.py). Recorded once, so every process serving the build drafts alike.
     A draft without an engine (prompt lookup, none) costs nothing."""
     target = load_engine(stage / "target", threads=cfg.backend.threads, min_rows=target_min_rows)
-    if draft_entry.kind == "eagle3":
-        return measure_step_costs(target, head=eagle3_drafter(stage / draft_entry.path, target, stage / "target").head)
-    engine = getattr(draft_entry, "engine", None)  # prompt lookup and none have no engine
-    draft = load_engine(stage / engine.path, threads=cfg.backend.threads) if engine is not None else None
-    return measure_step_costs(target, draft)
+    drafter = make_drafter(stage, draft_entry, target, cfg.backend.threads)
+    return measure_step_costs(target, getattr(drafter, "engine", None), head=getattr(drafter, "head", None))
 
 
 def measure_built_draft_batch_costs(stage: Path, draft_entry: DraftEntry, cfg: BuildConfig, say: Callable[[str], None]) -> Optional[BatchCosts]:
@@ -124,7 +120,7 @@ def measure_built_draft_batch_costs(stage: Path, draft_entry: DraftEntry, cfg: B
 @dataclass
 class Candidate:
     spec: str  # the --draft value
-    kind: DraftKind
+    kind: str  # its draft kind's name (specpipe/drafts/)
     drafter: Optional[Drafter]  # None for "none"
     costs: StepCosts  # measured on this machine for this candidate's engines
     # what was built, recorded with the measurement
@@ -166,7 +162,8 @@ def measure_candidates(target: Engine, candidates: Sequence[Candidate], tokenize
 def _row(candidate: Candidate, target: Engine, tokenizer, eos_token_ids, max_draft_len: int) -> SpecRow:
     generator = SpecGenerator(target, candidate.drafter, tokenizer, eos_token_ids, candidate.costs)
     alone = candidate.drafter is None
-    cfg = bounded_generation_config(max_draft_len, speculative=not alone)  # greedy, adaptive K: as served
+    policy = kind_named(candidate.kind).entry.policy(max_draft_len=max_draft_len)
+    cfg = policy.request(0 if alone else None)  # greedy, adaptive K: as served
     return SpecRow(candidate.spec, generator, cfg, "target-only" if alone else "speculative", None)
 
 
@@ -174,8 +171,10 @@ def _record(candidate: Candidate, summary: dict, max_draft_len: int) -> Candidat
     alone = candidate.kind == "none"
     acceptance = None if alone else summary["acceptance_rate"]
     predicted = None
-    if candidate.kind in MODEL_KINDS and acceptance is not None:
-        predicted = predicted_speedup(acceptance, candidate.costs, adaptive_ceiling(max_draft_len))
+    kind = kind_named(candidate.kind)
+    if kind.has_engine and acceptance is not None:
+        ceiling = kind.entry.policy(max_draft_len=max_draft_len).adaptive_ceiling
+        predicted = predicted_speedup(acceptance, candidate.costs, ceiling)
     return CandidateMeasurement(
         draft=candidate.spec, kind=candidate.kind, prompts=summary["prompts"], tokens_generated=summary["tokens_generated"],
         tokens_per_s=summary["tokens_per_s"], speedup=summary["speedup"], acceptance_rate=acceptance,

@@ -30,6 +30,7 @@ from specpipe.builder.config import BuildConfig, TrtllmBackend
 from specpipe.checkpoint.eagle3 import read_eagle3_head
 from specpipe.checkpoint.facts import ModelShape, resolve_shape
 from specpipe.config import MAX_SEQ_LEN
+from specpipe.contract.decoding import schedule_text
 from specpipe.contract.manifest import MANIFEST, Manifest
 from specpipe.engines import upstream
 from specpipe.engines.tensorrt_build import PLAN_FILE, optimization_profiles
@@ -658,7 +659,7 @@ def _render_manifest(manifest: Manifest) -> str:
         where = f"{engine.backend} {engine.graph} {engine.path}, quant {engine.quant}" if engine else f"{entry.kind} drafting"
         lines.append(f"  {role:6} {entry.source}: {where}")
     serving = manifest.serving
-    lines.append(f"  serving max_batch_size {serving.max_batch_size}, draft schedule {serving.draft_schedule or 'per request'};"
+    lines.append(f"  serving max_batch_size {serving.max_batch_size}, draft schedule {schedule_text(serving.draft_schedule) if serving.draft_schedule else 'per request'};"
                  f" max_draft_len {manifest.max_draft_len}; tokenizer hash {manifest.tokenizer.hash}")
     return "\n".join(lines)
 

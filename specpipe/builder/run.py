@@ -164,12 +164,12 @@ def _manifest(step, plan, cfg, work):
     from specpipe.contract.manifest import (
         EngineRecord,
         Manifest,
-        ModelDraft,
         ModelEntry,
         TokenizerRecord,
         file_hashes,
         write_manifest,
     )
+    from specpipe.drafts.model import ModelDraft
     from specpipe.builder.measure import measure_step_costs
 
     if plan.backend == "trtllm":  # served by TensorRT-LLM: nothing to time here, the artifacts hashed

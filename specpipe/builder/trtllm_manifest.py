@@ -21,12 +21,12 @@ from specpipe.contract.manifest import (
     SERVED_BY,
     EngineRecord,
     Manifest,
-    ModelDraft,
     ModelEntry,
-    NgramDraft,
     ServingRecord,
     TokenizerRecord,
 )
+from specpipe.drafts.model import ModelDraft
+from specpipe.drafts.ngram import NgramDraft
 
 if TYPE_CHECKING:
     from specpipe.builder.config import BuildConfig
@@ -44,7 +44,7 @@ def engine_record(model: "PlannedModel", work: Path, flow: str, files: Optional[
 
 def serving_record(plan: "Plan", cfg: "BuildConfig") -> ServingRecord:
     """In-flight batching limits, and the draft length by batch size as the emitted speculative_config makes
-    TensorRT-LLM run it, in specpipe's `batch:K` text ("up to batch b: K; above the last: 0"): Eagle3's
+    TensorRT-LLM run it, in specpipe's one schedule format (contract/decoding.py: "up to batch b: K; above the last: 0"): Eagle3's
     draft_len_schedule, else K up to max_concurrency. The engine flow: K is chosen per request (None)."""
     from specpipe.builder.plan import _draft_job, _kv_fraction, draft_len_schedule, plan_jobs
     from specpipe.builder.trtllm import trtllm_serve_config
@@ -57,7 +57,7 @@ def serving_record(plan: "Plan", cfg: "BuildConfig") -> ServingRecord:
         upto = getattr(spec, "draft_len_schedule", None)
         if upto is None:
             upto = {spec.max_concurrency if spec.max_concurrency is not None else plan.limits.max_batch_size: spec.max_draft_len}
-        schedule = ",".join(f"{batch}:{k}" for batch, k in sorted(upto.items()))
+        schedule = dict(sorted(upto.items()))
     return ServingRecord(max_batch_size=plan.limits.max_batch_size, max_queue=0, draft_schedule=schedule)
 
 

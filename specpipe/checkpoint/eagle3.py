@@ -14,7 +14,6 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from specpipe.contract.drafts import DraftKind, draft_kind
 from specpipe.errors import UsageError
 
 # An EAGLE-3 head's config.json names this architecture (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, the head the
@@ -85,12 +84,6 @@ def read_eagle3_head(spec: str) -> Optional[Eagle3Head]:
     draft_vocab = config.get(EAGLE3_DRAFT_VOCAB_KEY)
     return Eagle3Head(architecture=architecture, layers_to_capture=tuple(int(i) for i in layers) if layers else None,
                       draft_vocab_size=int(draft_vocab) if draft_vocab else None)
-
-
-def draft_kind_of(spec: str) -> DraftKind:
-    """contract/drafts.py `draft_kind`, with a folder holding an EAGLE-3 head named "eagle3"."""
-    kind = draft_kind(spec)
-    return "eagle3" if kind == "model" and read_eagle3_head(spec) is not None else kind
 
 
 WEIGHTS_FILE = "model.safetensors"

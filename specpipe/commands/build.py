@@ -123,7 +123,7 @@ def build(as_json: bool, no_repo: bool, backend: str, **options) -> None:
       specpipe build --target smollm2-135m --draft path/to/draft --draft ngram --draft self:int4-wo
     """
     from specpipe.builder import build as build_pair
-    from specpipe.contract.manifest import read_manifest
+    from specpipe.drafts import read_manifest
 
     cfg = _config(backend, no_repo, options)
     if cfg.backend.kind != "onnxruntime":
@@ -188,18 +188,10 @@ def _print_summary(folder: Path, manifest: Manifest) -> None:
         click.echo(f"  target --quant auto kept {t.quant.mode}; candidates, fastest first:")
         for candidate in t.quant.candidates:
             click.echo(f"   {'*' if candidate.mode == t.quant.mode else ' '} {candidate.summary()}")
-    if d.kind == "model":
-        click.echo(f"  draft  {d.source}: max |logit diff| vs torch {d.export_check.max_abs_diff:.2e}")
-        if d.vocab is not None:
-            click.echo(f"  draft  head scores its {d.vocab.size} most used tokens ({d.vocab.coverage:.1%} of its training tokens)")
-    elif d.kind == "self":
-        click.echo(f"  draft  {d.source}: top-1 agreement with the target {d.quant.accuracy.top1_agreement:.3f}")
-    elif d.kind == "eagle3":
-        click.echo(f"  draft  EAGLE-3 head {d.source}: reads target layers {d.feature_layers}, scores {d.draft_vocab_size} tokens")
-    elif d.kind == "ngram":
-        click.echo(f"  draft  prompt lookup (n-grams {d.ngram.ngram_min}..{d.ngram.ngram_max})")
-    else:
-        click.echo("  draft  none: the target alone decodes every request")
+    from specpipe.drafts import kind_named
+
+    for line in kind_named(d.kind).describe(d):
+        click.echo(f"  draft  {line}")
     prediction = getattr(d, "prediction", None)
     if prediction is not None:
         click.echo(f"  draft  predicted {prediction.speedup:.2f}x the target alone (acceptance {prediction.acceptance:.2f}, "

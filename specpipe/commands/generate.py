@@ -9,6 +9,7 @@ from typing import Optional
 import click
 
 from specpipe.config import RuntimeConfig, field_default, field_help, make_config
+from specpipe.contract.decoding import DecodingPolicy
 from specpipe.contract.generation import GenerationConfig, SamplingConfig
 from specpipe.errors import UsageError
 
@@ -41,9 +42,10 @@ def generate(engine_dir: Optional[Path], prompt, chat, max_tokens, num_draft_tok
              top_p, seed, stop, threads, head, url, stream, as_json) -> None:
     """Generate text with speculative decoding from ENGINE_DIR (engines/NAME) or a server (--url)."""
     sampling = make_config(SamplingConfig, temperature=temperature, top_k=top_k, top_p=top_p)
-    fixed_k = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens, "draft_length": "fixed"}
-    cfg = make_config(GenerationConfig, sampling=sampling, max_new_tokens=max_tokens, **fixed_k,
-                      speculative=not no_speculative, stop=list(stop), seed=seed)
+    if num_draft_tokens is not None and num_draft_tokens < 1:  # -k fixes K; the target alone is --no-speculative
+        raise UsageError(f"--num-draft-tokens: Input should be greater than or equal to 1, got {num_draft_tokens}")
+    asked = DecodingPolicy.requested(0 if no_speculative else num_draft_tokens)
+    cfg = make_config(GenerationConfig, sampling=sampling, max_new_tokens=max_tokens, **asked, stop=list(stop), seed=seed)
     runtime = make_config(RuntimeConfig, threads=threads)
     if (engine_dir is None) == (url is None):
         raise UsageError("give either ENGINE_DIR or --url")

@@ -1,25 +1,16 @@
-"""What a draft is, as every stage names it: its kind (from a --draft value), prompt lookup's settings, and a
-batch-size -> K schedule as users write it."""
+"""What drafts share across stages: prompt lookup's settings, the self-draft modes and distill's record file.
+The kinds themselves (model, self, eagle3, ngram, none) are specpipe/drafts/."""
 
 from __future__ import annotations
-
-from typing import Literal
 
 from pydantic import Field, model_validator
 
 from specpipe.config import Strict
 
 
-DraftKind = Literal["model", "ngram", "self", "eagle3", "none"]
-
-
-def draft_kind(spec: str) -> DraftKind:
-    """What a --draft value names by its text: prompt lookup, the target quantized, no draft, or a checkpoint
-    ("model"). Whether a checkpoint folder is an EAGLE-3 head ("eagle3") only its config.json says:
-    checkpoint/eagle3.py `draft_kind_of` reads it."""
-    if spec in ("ngram", "none"):
-        return spec
-    return "self" if spec.startswith("self:") else "model"
+# What `specpipe distill` writes beside a draft it trained (distill/run.py): how it was made, its held-out agreement
+# with the target (a build predicts the draft's speedup from it) and an EAGLE-3 head's training record.
+DISTILL_RECORD = "distill.json"
 
 
 # `--draft self:MODE`: weight-only modes only. A self-draft must be much cheaper than the target, and these
@@ -42,16 +33,3 @@ class NgramConfig(Strict):
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min {self.ngram_min} > ngram_max {self.ngram_max}")
         return self
-
-
-def parse_draft_schedule(text: str) -> list[tuple[int, int]]:
-    """'1:4,4:2,8:0' -> [(1, 4), (4, 2), (8, 0)]: batch sizes up to the bound draft K (ascending bounds)."""
-    rows = []
-    for part in text.split(','):
-        bound, sep, k = part.strip().partition(':')
-        if not sep or not bound.strip().isdigit() or not k.strip().isdigit():
-            raise ValueError(f"draft schedule {text!r}: write 'batch:K' pairs, e.g. '1:4,4:2,8:0'")
-        rows.append((int(bound), int(k)))
-    if [b for b, _ in rows] != sorted({b for b, _ in rows}) or rows[0][0] < 1:
-        raise ValueError(f'draft schedule {text!r}: batch sizes must be >= 1 and ascending')
-    return rows

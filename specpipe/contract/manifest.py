@@ -14,12 +14,13 @@ import hashlib
 import json
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator,
+                      model_serializer, model_validator)
 
 from specpipe.contract.costs import BatchCosts, StepCosts
-from specpipe.contract.drafts import NgramConfig
+from specpipe.contract.decoding import DecodingPolicy, DraftSchedule
 from specpipe.contract.quant import AccuracyBudget, QuantMode
 from specpipe.contract.quant import AccuracyReport
 from specpipe.errors import EngineError
@@ -143,59 +144,23 @@ class ModelEntry(_Part):
     def quant_mode(self) -> QuantMode:
         return self.quant.mode if self.quant is not None else self.engine.quant
 
-
-class ModelDraft(ModelEntry):
-    kind: Literal["model"] = "model"
-
-    @classmethod
-    def of(cls, entry: ModelEntry, **changes) -> "ModelDraft":
-        """A built model's entry as the draft's, with `changes` (the fields its builder set, no more)."""
-        return cls(kind="model", **{**{key: getattr(entry, key) for key in entry.model_fields_set}, **changes})
+    def paths(self) -> list[str]:
+        """Its engine folder, and the unquantized one kept for `validate --remeasure`."""
+        return [self.engine.path] + ([self.quant.reference_path] if self.quant and self.quant.reference_path else [])
 
 
-class SelfDraft(_Part):
-    """The target's own engine, weight-only quantized (`--draft self:MODE`)."""
+class DraftEntry(_Part):
+    """The manifest's `draft`: one draft kind's record. Each kind (specpipe/drafts/) declares its subclass, with a
+    `kind` literal, beside its proposer and its build step; reading a manifest takes the kinds' entry types
+    (specpipe.drafts.read_manifest), so this floor names no kind."""
 
-    kind: Literal["self"] = "self"
-    source: str
-    engine: EngineRecord
-    quant: QuantRecord
-    prediction: Optional[Prediction] = None
+    kind: str
+    source: str  # what the user named (the --draft value, or what it resolved to)
+    policy: ClassVar[type[DecodingPolicy]] = DecodingPolicy  # the kind's decoding policy (its K and schedule)
 
-    @property
-    def quant_mode(self) -> QuantMode:
-        return self.quant.mode
-
-
-class NgramDraft(_Part):
-    """Prompt lookup: no engine."""
-
-    kind: Literal["ngram"] = "ngram"
-    source: str = "ngram"
-    ngram: NgramConfig
-
-
-class Eagle3Draft(_Part):
-    """An EAGLE-3 head (upstream's format, copied as given into `path`) drafting from the target's features: the
-    target engine outputs `feature_layers` (its engine.json says the same)."""
-
-    kind: Literal["eagle3"] = "eagle3"
-    source: str
-    path: str = "draft"  # the head's folder (config.json, model.safetensors), relative to the build folder
-    feature_layers: list[int]  # layer-output ids (export/features.py) the head reads
-    draft_vocab_size: int  # the target tokens the head scores (its lm_head rows)
-    files: dict[str, str] = Field(default_factory=dict, description="file name -> sha256")
-    prediction: Optional[Prediction] = None
-
-
-class NoDraft(_Part):
-    """The target alone decodes every request (build found no draft that made decoding faster)."""
-
-    kind: Literal["none"] = "none"
-    source: str = "none"
-
-
-DraftEntry = Annotated[Union[ModelDraft, SelfDraft, Eagle3Draft, NgramDraft, NoDraft], Field(discriminator="kind")]
+    def paths(self) -> list[str]:
+        """Its files in the deployment, relative to the build folder."""
+        return []
 
 
 class CandidateMeasurement(_Record):
@@ -203,7 +168,7 @@ class CandidateMeasurement(_Record):
     K, every candidate and the target alone on the same prompts in one run; speedup over the target alone."""
 
     draft: str  # the --draft value
-    kind: Literal["model", "self", "eagle3", "ngram", "none"]
+    kind: str  # the draft kind's name (specpipe/drafts/), "none" for the target alone
     prompts: int
     tokens_generated: int
     tokens_per_s: float
@@ -245,7 +210,7 @@ class ServingRecord(_Part):
 
     max_batch_size: int = 1
     max_queue: int = 0
-    draft_schedule: Optional[str] = None  # config.parse_draft_schedule's text; None = the goodput plan
+    draft_schedule: Optional[DraftSchedule] = None  # written as '1:4,4:2'; None = the goodput plan
 
 
 class Manifest(_Part):
@@ -264,7 +229,7 @@ class Manifest(_Part):
     serving: ServingRecord = Field(default_factory=ServingRecord)
     machine: dict[str, Any] = Field(default_factory=dict, description="specpipe.machine: where step_costs and timings_s were measured")
     target: ModelEntry
-    draft: DraftEntry
+    draft: SerializeAsAny[DraftEntry]  # the kind's own entry type (`_draft_of_its_kind`)
     draft_choice: Optional[DraftChoice] = None  # several --draft candidates
     warnings: list[str] = Field(default_factory=list)
     timings_s: dict[str, float] = Field(default_factory=dict)
@@ -283,6 +248,25 @@ class Manifest(_Part):
             data = {**data, "draft": {**data["draft"], "kind": "model"}}
         return data
 
+    @field_validator("draft", mode="before")
+    @classmethod
+    def _draft_of_its_kind(cls, data: Any, info: ValidationInfo) -> Any:
+        """A draft read from JSON becomes its kind's entry type, from the `draft_entries` the reader passes."""
+        if not isinstance(data, dict):
+            return data
+        entries = (info.context or {}).get("draft_entries")
+        if entries is None:
+            raise ValueError("a manifest's draft is read with the draft kinds' entry types: use specpipe.drafts.read_manifest")
+        if data.get("kind") not in entries:
+            raise ValueError(f"draft kind {data.get('kind')!r} is none this specpipe knows ({', '.join(sorted(entries))})")
+        return entries[data["kind"]].model_validate(data, context=info.context)
+
+    @property
+    def decoding(self) -> DecodingPolicy:
+        """How this deployment decodes (K and its schedule), as its draft kind's policy: the one place after the
+        build that says which K a request gets (`DecodingPolicy.request`)."""
+        return type(self.draft).policy(max_draft_len=self.max_draft_len, draft_len_schedule=self.serving.draft_schedule)
+
     def draft_acceptance(self) -> Optional[float]:
         """The deployed draft's per-token acceptance as the build measured it (candidate choice), or as its
         prediction assumed; None when neither was recorded."""
@@ -297,12 +281,7 @@ class Manifest(_Part):
         """The deployment, relative to its folder: this manifest, the tokenizer and every engine folder it names
         (the unquantized engines kept for `validate --remeasure` too); a build's work files are not in it."""
         paths = [MANIFEST, self.tokenizer.path]
-        for entry in (self.target, self.draft):
-            if isinstance(entry, (ModelEntry, SelfDraft)):
-                paths += [entry.engine.path] + ([entry.quant.reference_path] if entry.quant and entry.quant.reference_path else [])
-            elif isinstance(entry, Eagle3Draft):
-                paths.append(entry.path)
-        return list(dict.fromkeys(paths))
+        return list(dict.fromkeys(paths + self.target.paths() + self.draft.paths()))
 
     def as_dict(self) -> dict[str, Any]:
         """The manifest as JSON values, as write_manifest writes it."""
@@ -329,7 +308,8 @@ def write_manifest(folder: Path, manifest: Manifest) -> None:
     (Path(folder) / MANIFEST).write_text(json.dumps(manifest.as_dict(), indent=2) + "\n")
 
 
-def read_manifest(folder: Path) -> Manifest:
+def read_manifest(folder: Path, *, draft_entries: Mapping[str, type[DraftEntry]]) -> Manifest:
+    """The manifest in `folder`; `draft_entries`: each draft kind's entry type by name (specpipe.drafts passes them)."""
     path = Path(folder) / MANIFEST
     if not Path(folder).is_dir():
         raise EngineError(f"no such engine folder: {folder}")
@@ -343,7 +323,7 @@ def read_manifest(folder: Path) -> Manifest:
         found = data.get("format") if isinstance(data, dict) else None
         raise EngineError(f"{path} has format {found!r}; this specpipe reads format {FORMAT}")
     try:
-        return Manifest.model_validate(data)
+        return Manifest.model_validate(data, context={"draft_entries": draft_entries})
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise EngineError(f"{path} is not a specpipe manifest: {problems}") from None

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from specpipe.contract.drafts import DISTILL_RECORD
 from specpipe.distill.config import DistillConfig
 from specpipe.distill.progress import DistillProgress, SilentProgress
 from specpipe.errors import OutputExistsError, UsageError
 
 STATE_DIR = ".distill"  # inside OUT while training: the resumable state; removed when the draft is written
-RECORD = "distill.json"  # inside the finished OUT: how the draft was made and how well it agrees
+RECORD = DISTILL_RECORD  # inside the finished OUT: how the draft was made and how well it agrees
 HELD_OUT_MAX = 24  # answers kept out of training to measure agreement on unseen prompts
 
 

@@ -322,7 +322,7 @@ class EndpointSubject(Subject):
 
     def greedy_completion(self, prompt: str, max_new_tokens: int, num_draft_tokens: int) -> Completion:
         if num_draft_tokens == 0 and self.reference_client is None:  # the target alone, in this process
-            cfg = self.reference.generation_config(max_new_tokens=max_new_tokens, speculative=False)
+            cfg = self.reference.decoding.request(0, max_new_tokens=max_new_tokens)
             result = self.reference.generator.generate(self.encode(prompt), cfg)
             return Completion(result.text, result.token_ids, result.ttft_ms, result.total_ms, result.num_generated)
         client, fields = self._side(num_draft_tokens)

@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
-from specpipe.contract.manifest import Manifest, ModelEntry, SelfDraft
+from specpipe.contract.manifest import Manifest, ModelEntry
+from specpipe.drafts.self_draft import SelfDraft
 from specpipe.contract.quant import AccuracyBudget
 from specpipe.errors import GateError
 from specpipe.gate.config import GateConfig

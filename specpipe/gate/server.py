@@ -37,15 +37,6 @@ class ServerSubject(Subject):
     def __init__(self, url: str, reference, *, model_name: str, chat: bool = False, timeout_s: float = 300.0):
         self.url, self.reference, self.model_name, self.chat, self.timeout_s = url, reference, model_name, chat, timeout_s
 
-    def _config(self, max_new_tokens: int, num_draft_tokens: Optional[int], **fields) -> GenerationConfig:
-        if num_draft_tokens is None:  # as deployed: the deployment's own draft length (adaptive K, the batch plan)
-            return self.reference.generation_config(max_new_tokens=max_new_tokens, **fields)
-        if num_draft_tokens == 0:
-            return self.reference.generation_config(max_new_tokens=max_new_tokens, speculative=False, **fields)
-        return self.reference.generation_config(
-            max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, draft_length="fixed", **fields
-        )
-
     def generate(self, prompt: str, cfg: GenerationConfig, *, stream: bool) -> dict:
         from specpipe.triton.client import remote_generate
 

@@ -53,6 +53,10 @@ class Subject(ABC):
     reference: object  # specpipe.deployment.Deployment
     chat: bool
 
+    def _config(self, max_new_tokens: int, num_draft_tokens: Optional[int], **fields) -> GenerationConfig:
+        """A request as the gate asks it: K as deployed (None), the target alone (0) or fixed (DecodingPolicy.request)."""
+        return self.reference.decoding.request(num_draft_tokens, max_new_tokens=max_new_tokens, **fields)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt, exactly as the deployment's generator makes them (in-process and served)."""
         return self.reference.generator.encode(text, self.chat)
@@ -127,15 +131,6 @@ class InProcessSubject(Subject):
         # Sampling runs the unchanged decoder on engines that remember logits by prefix (see memo.py).
         self.sampler = SpeculativeDecoder(MemoEngine(deployment.target), drafter, deployment.generator.decoder.eos_token_ids,
                                           deployment.costs)
-
-    def _config(self, max_new_tokens: int, num_draft_tokens: Optional[int], **fields) -> GenerationConfig:
-        if num_draft_tokens is None:  # as deployed: the deployment's own draft length (adaptive K, the batch plan)
-            return self.reference.generation_config(max_new_tokens=max_new_tokens, **fields)
-        if num_draft_tokens == 0:
-            return self.reference.generation_config(max_new_tokens=max_new_tokens, speculative=False, **fields)
-        return self.reference.generation_config(
-            max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, draft_length="fixed", **fields
-        )
 
     def greedy_ids(self, prompt, max_new_tokens, num_draft_tokens):
         cfg = self._config(max_new_tokens, num_draft_tokens)

@@ -427,7 +427,7 @@ def front_for_repository(repo, triton_url: str, timeout_s: float = 600.0) -> Fro
 
     from transformers import AutoTokenizer
 
-    from specpipe.contract.manifest import read_manifest
+    from specpipe.drafts import read_manifest
     from specpipe.triton.model_config import read_config
     from specpipe.triton.repository import served_engine_dir
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
+from specpipe.contract.decoding import DecodingPolicy
 from specpipe.errors import UsageError
 from specpipe.triton.model_config import TensorSpec
 
@@ -289,13 +290,8 @@ def parse_request(tensors: Mapping[str, np.ndarray]) -> ServedRequest:
         if name in tensors:
             config["seed"] = _scalar(tensors, name)
     if "num_draft_tokens" in tensors:
-        num_draft_tokens = _scalar(tensors, "num_draft_tokens")
-        if num_draft_tokens < 0:
-            raise UsageError(f"num_draft_tokens must be >= 0 (0 = target only), got {num_draft_tokens}")
-        if num_draft_tokens == 0:
-            config["speculative"] = False
-        else:  # a TRT-LLM client asks for exactly K drafts per step
-            config.update(speculative=True, num_draft_tokens=num_draft_tokens, draft_length="fixed")
+        # A TRT-LLM client asks for exactly K drafts per step, or 0: the target alone.
+        config.update(DecodingPolicy.requested(int(_scalar(tensors, "num_draft_tokens"))))
     if "stop_words" in tensors:
         config["stop"] = [w for w in _strings(tensors, "stop_words") if w]
 

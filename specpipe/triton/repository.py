@@ -98,7 +98,7 @@ def write_repository(
     Built in a temp folder beside `repo_dir` and renamed into place, so a failure leaves nothing behind
     (and Triton never sees a half-written model). Other models in `repo_dir` are left alone.
     """
-    from specpipe.contract.manifest import read_manifest
+    from specpipe.drafts import read_manifest
 
     engine_dir, repo_dir = Path(engine_dir), Path(repo_dir)
     manifest = read_manifest(engine_dir)  # a clear error now rather than a failed model load in the server

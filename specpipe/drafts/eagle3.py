@@ -1,0 +1,102 @@
+"""An EAGLE-3 head (`--draft HEAD_FOLDER`, a folder whose config.json names LlamaForCausalLMEagle3): drafts from the
+target's own hidden states, so the target engine outputs the layers the head reads (export/features.py)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import ClassVar, Literal, Optional
+
+from pydantic import Field
+
+from specpipe.checkpoint.eagle3 import WEIGHTS_FILE, read_eagle3_head
+from specpipe.contract.decoding import DecodingPolicy
+from specpipe.contract.drafts import DISTILL_RECORD
+from specpipe.contract.manifest import DraftEntry, Prediction, file_hashes
+from specpipe.drafts.base import DraftKind
+from specpipe.engines import Engine
+from specpipe.errors import UsageError
+from specpipe.speculative.eagle3 import Eagle3Drafter
+
+
+class Eagle3Decoding(DecodingPolicy):
+    """TensorRT-LLM's Eagle3DecodingConfig: one-model EAGLE-3 also takes the batch schedule (draft_len_schedule)."""
+
+    decoding_type = "Eagle3"
+    backends = ("onnxruntime", "trtllm")
+
+
+class Eagle3Draft(DraftEntry):
+    """An EAGLE-3 head (upstream's format, copied as given into `path`) drafting from the target's features: the
+    target engine outputs `feature_layers` (its engine.json says the same)."""
+
+    kind: Literal["eagle3"] = "eagle3"
+    source: str
+    path: str = "draft"  # the head's folder (config.json, model.safetensors), relative to the build folder
+    feature_layers: list[int]  # layer-output ids (export/features.py) the head reads
+    draft_vocab_size: int  # the target tokens the head scores (its lm_head rows)
+    files: dict[str, str] = Field(default_factory=dict, description="file name -> sha256")
+    prediction: Optional[Prediction] = None
+    policy: ClassVar = Eagle3Decoding
+
+    def paths(self) -> list[str]:
+        return [self.path]
+
+
+class Eagle3Kind(DraftKind):
+    name = "eagle3"
+    entry = Eagle3Draft
+    has_engine = True
+    reads_target_features = True
+
+    @classmethod
+    def claims(cls, spec):
+        return read_eagle3_head(spec) is not None
+
+    @classmethod
+    def drafter(cls, folder, entry, target, threads):
+        return head_drafter(folder / entry.path, target, target.folder)
+
+    @classmethod
+    def build(cls, spec, out, ctx):
+        """A head is used as given: its config, its weights (and its distill record) copied into out/draft."""
+        out = out / "draft"
+        ctx.say(f"copying the EAGLE-3 head {spec} (it reads target layers {list(ctx.feature_layers)})")
+        out.mkdir(parents=True)
+        for name in ("config.json", WEIGHTS_FILE, DISTILL_RECORD):
+            if (Path(spec) / name).is_file():
+                shutil.copy2(Path(spec) / name, out / name)
+        head = read_eagle3_head(str(out))
+        return Eagle3Draft(kind="eagle3", source=spec, path=out.name, feature_layers=list(ctx.feature_layers),
+                           draft_vocab_size=head.draft_vocab_size or ctx.target_entry.checkpoint.get("vocab_size"),
+                           files=file_hashes(out))
+
+    @classmethod
+    def describe(cls, entry):
+        return [f"EAGLE-3 head {entry.source}: reads target layers {entry.feature_layers}, scores {entry.draft_vocab_size} tokens"]
+
+
+def head_drafter(head_folder: Path, target: Engine, target_folder: Path) -> Eagle3Drafter:
+    """An EAGLE-3 head (upstream's format) drafting for `target`, whose engine must output the head's feature
+    layers (export/features.py). The head reads the target's input embedding from the target's graph."""
+    from specpipe.engines.eagle3_head import Eagle3HeadEngine, check_pairing, target_embedding
+
+    info = read_eagle3_head(str(head_folder))
+    if info is None:
+        raise UsageError(f"--draft {head_folder} is not an EAGLE-3 head (config.json naming LlamaForCausalLMEagle3)")
+    # A head that names no layers reads EAGLE-3's default ones (export/features.py), as upstream's loaders assume.
+    layers = info.layers_to_capture or _default_feature_layers(target_folder)
+    head = Eagle3HeadEngine(head_folder, target_embedding(target_folder), dtype="auto",  # bf16 where the CPU has it
+                            feature_layers=layers)
+    check_pairing(head, getattr(target, "feature_layers", ()), target.vocab_size, target_folder)
+    return Eagle3Drafter(head, target.vocab_size)
+
+
+def _default_feature_layers(target_folder: Path) -> tuple[int, ...]:
+    from specpipe.engines.base import read_engine_meta
+    from specpipe.export.features import default_layers
+
+    try:
+        return default_layers(int(read_engine_meta(target_folder)["num_layers"]))
+    except ValueError as err:
+        raise UsageError(f"the head names no feature layers and EAGLE-3's defaults do not fit this target: {err}") from None
