@@ -78,6 +78,8 @@ def test_distill_writes_a_checkpoint_that_shares_the_tokenizer(distilled, tiny_t
     assert 0 <= verdict["agreement"] <= 1
     assert 1 <= verdict["best_k"] <= 16 and verdict["predicted_speedup"] > 0
     assert verdict["step_costs"]["draft"] > 0
+    # timed as ONNX Runtime engines (what build runs), not torch steps
+    assert "ONNX Runtime" in verdict["measured_with"] and verdict["step_ms"]["target_step_ms"] > 0
 
     from specpipe.checkpoint.draft_vocab import read_ranking
 
@@ -370,3 +372,13 @@ def test_cuda_asked_for_without_a_gpu_is_a_one_line_error(tiny_target, tmp_path,
         return  # the gpu-marked test above covers a machine with one
     code, err = _cli(capsys, "--target", str(tiny_target), "--out", str(tmp_path / "d"), "--device", "cuda")
     assert code == 2 and "--device cuda" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_verdict_says_when_it_cannot_predict(tmp_path):
+    """No engine can be made (here: no checkpoint): the verdict keeps the agreement and says it cannot predict."""
+    from specpipe.distill.verdict import measured_verdict, verdict_line
+
+    v = measured_verdict(0.4, tmp_path / "missing", threads=1, draft=tmp_path / "missing-draft")
+    assert v["predicted_speedup"] is None and v["cannot_predict"]
+    line = verdict_line(v)
+    assert line.startswith("verdict: agreement 0.40") and "cannot predict" in line and "build measures it" in line

@@ -210,6 +210,17 @@ def test_head_training_learns(trained_head):
     assert record["data"]["held_out"] > 0
 
 
+def test_verdict_times_the_engines_that_will_run(trained_head):
+    """The head's verdict predicts with the target's ONNX Runtime engine and the head's CPU engine, timed here."""
+    verdict = trained_head.record["verdict"]
+    assert verdict["predicted_speedup"] is not None, verdict
+    ms = verdict["step_ms"]
+    assert ms["target_step_ms"] > 0 and ms["draft_step_ms"] > 0
+    assert verdict["step_costs"]["draft"] == pytest.approx(ms["draft_step_ms"] / ms["target_step_ms"], rel=1e-2, abs=1e-3)
+    assert "ONNX Runtime" in verdict["measured_with"] and "EAGLE-3 head" in verdict["measured_with"]
+    assert verdict["agreement"] == pytest.approx(trained_head.record["held_out_chain"]["conditional"][0], abs=1e-4)
+
+
 def test_writer_refuses_an_embedding_or_a_missing_key(tmp_path):
     from specpipe.checkpoint.eagle3 import write_eagle3_head
     from specpipe.engines import upstream

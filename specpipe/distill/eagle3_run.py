@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from specpipe.distill.config import DistillConfig
 from specpipe.distill.progress import DistillProgress
@@ -108,26 +109,39 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
         "held_out_chain": head_chain_hits(head, held_out).summary() if held_out else None,
         "kept_step": best[1] if best else state.step,
         "held_out_curve": state.evals,
-        "verdict": None,  # needs the head's engine cost, measured when it runs as a CPU engine (not yet)
         "device": str(device),
         "machine": describe_machine(cfg.threads).as_dict(),
         "precision": {phase: c.as_dict() for phase, c in precision.items()},
         "wall_s": round(time.perf_counter() - started, 1),
     }
     head.to("cpu")
-    _write_head(head, out, record)
+    chain = record["held_out_chain"]
+    acceptance = chain["conditional"][0] if chain and chain["anchors"] else record["held_out_agreement"]
+
+    def judge(folder: Path) -> None:  # the written head timed as its CPU engine, the target as its ONNX engine
+        from specpipe.distill.verdict import measured_verdict, verdict_line
+
+        progress.log("timing the target (ONNX Runtime) and the head (its CPU engine) for the verdict")
+        record["verdict"] = {**measured_verdict(acceptance or 0.0, target.path, threads=cfg.threads, head=folder,
+                                                feature_layers=layers),
+                             "agreement_on": "held-out answers, position 1" if chain else "no held-out answers"}
+        progress.log(verdict_line(record["verdict"]))
+
+    _write_head(head, out, record, before_move=judge)
     shutil.rmtree(out / STATE_DIR, ignore_errors=True)
     return DistillResult(out, record)
 
 
-def _write_head(head, out: Path, record: dict) -> None:
-    """Write into a temp folder beside OUT, then move the files in: OUT never holds half a head."""
+def _write_head(head, out: Path, record: dict, before_move: Callable[[Path], None] = lambda folder: None) -> None:
+    """Write into a temp folder beside OUT, then move the files in: OUT never holds half a head.
+    `before_move(folder)` runs on the written head before its record is written (the verdict times it)."""
     from specpipe.checkpoint.eagle3 import head_config, write_eagle3_head
     from specpipe.distill.run import RECORD
 
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
         write_eagle3_head(Path(tmp), head.state_dict(), head_config(head.shape))
+        before_move(Path(tmp))
         (Path(tmp) / RECORD).write_text(json.dumps(record, indent=2) + "\n")
         for item in Path(tmp).iterdir():
             os.replace(item, out / item.name)

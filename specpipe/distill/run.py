@@ -10,7 +10,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from specpipe.contract.drafts import DISTILL_RECORD
 from specpipe.distill.config import DistillConfig
@@ -269,7 +269,7 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
     from specpipe.distill.student import draft_cost_ratio, make_student
     from specpipe.distill.train import Trainer
 
-    from specpipe.distill.verdict import measure_costs, verdict, verdict_line
+    from specpipe.distill.verdict import measured_verdict, verdict_line
     from specpipe.machine import describe_machine
 
     progress = progress or SilentProgress()
@@ -335,14 +335,18 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
     # Too few answers for a held-out set (a tiny budget): the training agreement stands in, and says so.
     measured_on = "held-out answers" if best else "training batches (no held-out answers)"
     acceptance = best[0] if best else (state.recent_agreement if state.recent_agreement == state.recent_agreement else 0.0)
-    record["verdict"] = {**verdict(acceptance, measure_costs(model.to(device), student)), "agreement_on": measured_on}
-    progress.log(verdict_line(record["verdict"]))
     model.to("cpu")
     student.to("cpu")
     from specpipe.checkpoint.draft_vocab import count_tokens
 
+    def judge(folder: Path) -> None:  # the written draft, exported and timed as an engine beside the target
+        progress.log("timing the target and the draft as ONNX Runtime engines for the verdict")
+        record["verdict"] = {**measured_verdict(acceptance, target.path, threads=cfg.threads, draft=folder),
+                             "agreement_on": measured_on}
+        progress.log(verdict_line(record["verdict"]))
+
     counts = count_tokens(sequences, model.config.vocab_size)  # what the draft learned to predict
-    _write_checkpoint(student, tokenizer, target.path, out, record, counts)
+    _write_checkpoint(student, tokenizer, target.path, out, record, counts, before_move=judge)
     shutil.rmtree(out / STATE_DIR, ignore_errors=True)
     return DistillResult(out, record)
 
@@ -358,8 +362,10 @@ def _eos_ids(path: Path, tokenizer) -> set[int]:
     return {int(i) for i in ids}
 
 
-def _write_checkpoint(student, tokenizer, target_path: Path, out: Path, record: dict, counts) -> None:
+def _write_checkpoint(student, tokenizer, target_path: Path, out: Path, record: dict, counts,
+                      before_move: Callable[[Path], None] = lambda folder: None) -> None:
     """save_pretrained into a temp folder beside OUT, then move the files in: OUT never holds half a model.
+    `before_move(folder)` runs on the written checkpoint before its record is written (the verdict times it).
 
     Beside the weights: the ranking of the tokens the draft was trained on (`build` slices the draft's
     head to the most frequent ones, see checkpoint/draft_vocab.py)."""
@@ -374,6 +380,7 @@ def _write_checkpoint(student, tokenizer, target_path: Path, out: Path, record: 
         generation_config = Path(target_path) / "generation_config.json"
         if generation_config.is_file():
             shutil.copy2(generation_config, Path(tmp) / "generation_config.json")
+        before_move(Path(tmp))
         (Path(tmp) / RECORD).write_text(json.dumps(record, indent=2) + "\n")
         for item in Path(tmp).iterdir():
             os.replace(item, out / item.name)

@@ -1,17 +1,23 @@
 """The one-line verdict that ends `distill`: will this draft make decoding faster on this machine?
 
 Held-out agreement is the greedy acceptance rate a K=1 draft would see on unseen prompts; with the step
-costs of the two models measured here, the adaptive-K model (speculative/adaptive.py: Leviathan et al.,
-Theorem 3.8, plus a per-verified-token cost) predicts the speedup. The costs are torch's fp32 steps;
-`build` measures the engines it builds (quantized, head sliced) and records those, usually cheaper drafts.
+costs of the two models, the adaptive-K model (speculative/adaptive.py: Leviathan et al., Theorem 3.8, plus a
+per-verified-token cost) predicts the speedup.
+
+The costs are those of the engines that will run, measured here: the target exported as `build` exports it
+(onnxruntime-genai's builder graph, fp32) and timed in ONNX Runtime; an EAGLE-3 head timed as the CPU engine
+that drafts with it (engines/eagle3_head.py); a model draft exported and timed like the target. torch's own
+steps misled: a distilled draft measured 0.257 of a target step in torch and 0.019 as the built engine, so
+torch predicted 0.98x for a draft that ran at 1.38x. `build` may still quantize the target or the draft and
+slice the draft's head, which makes its steps cheaper than the fp32 engines timed here: the verdict says so.
+When an engine cannot be made here, the verdict says it cannot predict and why.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-
-import torch
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
 
 from specpipe.contract.costs import StepCosts
 from specpipe.speculative.adaptive import best_draft_length, expected_speedup
@@ -19,47 +25,88 @@ from specpipe.speculative.adaptive import best_draft_length, expected_speedup
 CONTEXT_TOKENS = 64
 VERIFY_TOKENS = 8
 MAX_DRAFT_LEN = 16
-REPEATS = 7
+REPEATS = 20
+MEASURED_WITH = ("ONNX Runtime engines exported here (fp32 target{draft}); build may quantize them and slice the "
+                 "draft's head, which only makes steps cheaper")
 
 
-@torch.inference_mode()
-def _step_ms(model, tokens: int) -> float:
-    """Median time of one call scoring `tokens` new tokens on a CONTEXT_TOKENS-token KV cache."""
-    device = next(model.parameters()).device
-    vocab = model.config.vocab_size
-    context = torch.randint(0, vocab, (1, CONTEXT_TOKENS), generator=torch.Generator().manual_seed(0)).to(device)
-    cache = model(input_ids=context, use_cache=True).past_key_values
-    new = context[:, :tokens]
-    times = []
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        model(input_ids=new, past_key_values=cache, use_cache=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-        cache.crop(CONTEXT_TOKENS)
-    return statistics.median(times[1:])
+def export_engine(checkpoint: Path, out: Path, *, feature_layers: Sequence[int] = ()) -> Path:
+    """`checkpoint` as `build` exports a target (the model builder's fp32 graph, feature outputs when asked), in
+    `out`, ready for engines.load_engine."""
+    from specpipe.checkpoint import inspect_checkpoint
+    from specpipe.checkpoint.facts import CONTEXT_LENGTH_UNSAID
+    from specpipe.config import MAX_SEQ_LEN
+    from specpipe.engines.onnxruntime import write_engine_meta
+    from specpipe.engines.shared_kv import KV_LAYOUT
+    from specpipe.export.ortgenai_builder import run_model_builder
+
+    info = inspect_checkpoint(checkpoint)
+    run_model_builder(checkpoint, out, "fp32", out / "cache", feature_layers=list(feature_layers) or None)
+    write_engine_meta(out, vocab_size=info.vocab_size, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
+                      head_dim=info.head_dim, quant="none", kv_layout=KV_LAYOUT,
+                      max_seq_len=min(int(info.max_position_embeddings or CONTEXT_LENGTH_UNSAID), MAX_SEQ_LEN),
+                      **({"feature_layers": list(feature_layers)} if feature_layers else {}))
+    return out
 
 
-def measure_costs(target, draft) -> StepCosts:
-    one = _step_ms(target, 1)
-    many = _step_ms(target, 1 + VERIFY_TOKENS)
-    return StepCosts(draft=_step_ms(draft, 1) / one, verify_per_token=max(many - one, 0.0) / VERIFY_TOKENS / one)
+def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, head: Optional[Path] = None,
+                 feature_layers: Sequence[int] = ()) -> tuple[StepCosts, dict]:
+    """Step costs, as fractions of a target step, of the engines that will run: a model `draft` checkpoint, or an
+    EAGLE-3 `head` folder reading the target's `feature_layers`. Returns the costs and the milliseconds behind
+    them."""
+    from specpipe.engines import load_engine
+    from specpipe.engines.timing import head_step_ms, step_ms
+
+    with tempfile.TemporaryDirectory(prefix="specpipe-verdict-") as tmp:
+        target_dir = export_engine(target, Path(tmp) / "target", feature_layers=feature_layers)
+        engine = load_engine(target_dir, threads=threads)
+        one = step_ms(engine, 1, context_len=CONTEXT_TOKENS, repeats=REPEATS)
+        many = step_ms(engine, 1 + VERIFY_TOKENS, context_len=CONTEXT_TOKENS, repeats=REPEATS)
+        if head is not None:
+            from specpipe.engines.eagle3_head import Eagle3HeadEngine, target_embedding
+
+            drafter = Eagle3HeadEngine(head, target_embedding(target_dir), dtype="auto", feature_layers=feature_layers)
+            draft_ms = head_step_ms(drafter, context_len=CONTEXT_TOKENS, repeats=REPEATS)
+        else:
+            draft_ms = step_ms(load_engine(export_engine(draft, Path(tmp) / "draft"), threads=threads), 1,
+                               context_len=CONTEXT_TOKENS, repeats=REPEATS)
+    costs = StepCosts(draft=draft_ms / one, verify_per_token=max(many - one, 0.0) / VERIFY_TOKENS / one)
+    return costs, {"target_step_ms": round(one, 3), f"target_{1 + VERIFY_TOKENS}_token_step_ms": round(many, 3),
+                   "draft_step_ms": round(draft_ms, 3)}
 
 
-def verdict(agreement: float, costs: StepCosts) -> dict:
+def verdict(agreement: float, costs: StepCosts, *, kind: str = "model", timings: Optional[dict] = None) -> dict:
     """agreement: the draft's greedy agreement with the target, standing in for the acceptance rate."""
     k = best_draft_length(agreement, costs, MAX_DRAFT_LEN)
+    draft = ", the EAGLE-3 head as its torch CPU engine" if kind == "eagle3" else ", fp32 draft"
     return {"agreement": round(agreement, 4), "step_costs": {k_: round(v, 4) for k_, v in costs.as_dict().items()},
             "best_k": k, "predicted_speedup": round(expected_speedup(k, agreement, costs), 3),
-            "measured_with": "torch steps of both models on this machine (build measures the engines)"}
+            **({"step_ms": timings} if timings else {}),
+            "measured_with": MEASURED_WITH.format(draft=draft)}
+
+
+def measured_verdict(agreement: float, target: Path, *, threads: int, draft: Optional[Path] = None,
+                     head: Optional[Path] = None, feature_layers: Sequence[int] = ()) -> dict:
+    """The verdict with the engines' costs measured here, or, when an engine cannot be made, a verdict that says
+    it cannot predict and why (agreement kept)."""
+    from specpipe.errors import SpecpipeError
+
+    try:
+        costs, timings = engine_costs(target, threads=threads, draft=draft, head=head, feature_layers=feature_layers)
+    except (SpecpipeError, OSError, ValueError, RuntimeError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return {"agreement": round(agreement, 4), "predicted_speedup": None, "cannot_predict": reason}
+    return verdict(agreement, costs, kind="eagle3" if head is not None else "model", timings=timings)
 
 
 def verdict_line(v: dict) -> str:
+    if v.get("predicted_speedup") is None:
+        return (f"verdict: agreement {v['agreement']:.2f} on {v.get('agreement_on', 'held-out answers')}; cannot predict "
+                f"the speedup here ({v.get('cannot_predict', 'no engine costs')}): build measures it")
     speedup = v["predicted_speedup"]
     costs = v["step_costs"]
     line = (f"verdict: agreement {v['agreement']:.2f} on {v.get('agreement_on', 'held-out answers')}, predicted {speedup:.2f}x at K={v['best_k']} "
-            f"(draft step {costs['draft']:.3f}, verify {costs['verify_per_token']:.3f}/token of a target step)")
+            f"(draft step {costs['draft']:.3f}, verify {costs['verify_per_token']:.3f}/token of a target step, ONNX Runtime engines)")
     if speedup < 1.0:
         line += ": slower than the target alone here; build will prefer another draft or none"
     return line
