@@ -3,6 +3,7 @@ measured for accuracy and timed at the server's batch sizes; builder/quant_choic
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import onnx
 import pytest
@@ -285,3 +286,31 @@ def test_candidate_summary_names_the_failed_metric():
     line = QuantCandidate(mode="int4-wo", accuracy=accuracy, within_budget=False, seconds=12.0,
                           violations=[{"metric": "top-1 agreement", "value": 0.7, "limit": 0.9}]).summary()
     assert "+8.0%" in line and "0.700" in line and "over budget (top-1 agreement 0.7 vs limit 0.9)" in line
+
+
+def test_the_demo_builds_its_target_at_the_measured_precision(monkeypatch, tmp_path):
+    """demo.py asks the build for --quant auto (not a constant precision) and prints the table that chose it."""
+    from rich.console import Console
+
+    from specpipe import demo
+    from specpipe.contract.manifest import QuantRecord
+
+    asked = {}
+
+    def build(cfg, progress=None):
+        asked["cfg"] = cfg
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr("specpipe.builder.build", build)
+    state = demo.Demo(Console(file=None, record=True), engines_dir=tmp_path, repo_dir=tmp_path / "repo")
+    state.target, state.draft_path = SimpleNamespace(weights_sha256="x"), tmp_path
+    with pytest.raises(RuntimeError, match="stop"):
+        demo.build_engines(state)
+    assert asked["cfg"].quant.mode == "auto"
+
+    record = QuantRecord(mode="none", candidates=_candidates(AVX2, over_budget={"int4-wo"}), load_rows=16,
+                         reason="fp32 decodes the most tokens/s")
+    manifest = SimpleNamespace(target=SimpleNamespace(quant=record))
+    demo._print_precisions(state, manifest)
+    text = state.console.export_text()
+    assert "* fp32" in text and "OVER" in text and "43.0" in text and "fp32 decodes the most tokens/s" in text
