@@ -100,21 +100,17 @@ def _converted(checkpoint_dir: Path, precision: str) -> Path:
 
 
 def _quantized(checkpoint_dir: Path, source_gguf: Optional[Path], precision: str) -> Path:
-    """The f32 GGUF (as the fp32 rows run it) quantized by llama.cpp's `llama_model_quantize`, cached."""
-    import ctypes
-
-    import llama_cpp
-
+    """The f32 GGUF (as the fp32 rows run it) quantized by llama.cpp's `llama_model_quantize`, cached. It runs in a
+    subprocess, as the converter does: llama.cpp prints a line per tensor, and a failure becomes one line."""
     f32, _ = gguf_for(checkpoint_dir, source_gguf, "fp32")
     ftype = QUANTIZE_FTYPE[precision]
     tool = f"llama.cpp llama_model_quantize {ftype} of llama-cpp-python {package_version('llama-cpp-python')}"
 
     def quantize(out: Path) -> None:
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = getattr(llama_cpp, ftype)
-        code = llama_cpp.llama_model_quantize(str(f32).encode(), str(out / "model.gguf").encode(), ctypes.byref(params))
-        if code != 0:
-            raise ExportError(f"{tool} failed on {f32} (code {code})")
+        run_tool(["-c", "import ctypes, sys, llama_cpp; params = llama_cpp.llama_model_quantize_default_params(); "
+                  "params.ftype = getattr(llama_cpp, sys.argv[3]); "
+                  "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))",
+                  str(f32), str(out / "model.gguf"), ftype], f"{tool} on {f32}")
 
     return cached_conversion("llamacpp", f32, precision, tool, quantize) / "model.gguf"
 
