@@ -44,9 +44,11 @@ PROMPTS = [
     ("chat", "Explain what a compiler does in two sentences."),
 ]
 MAX_NEW_TOKENS = 96
+# The target's precision is measured, not set: `--quant auto` builds it in fp32, int8-wo and int4-wo, checks each
+# against the accuracy budget and times them at the batch sizes the server runs (builder/quant_choice.py).
 # The draft keeps the target's width (its layers start as the target's), so its 49152 x 576 head would
 # cost ~0.2 of the target in fp32; weight-only int8 cuts a draft step to ~0.08 of a target step.
-TARGET_QUANT = "none"
+TARGET_QUANT = "auto"
 DRAFT_QUANT = "int8-wo"
 
 
@@ -132,10 +134,9 @@ def build_engines(demo: Demo) -> str:
 
     folder = demo.engines_dir / NAME
     # The draft's precision never changes the output, only how often it is accepted: keep it whatever
-    # its accuracy against its fp32 self.
-    # The target stays fp32 (TARGET_QUANT): on AVX2 without VNNI, int8-wo (what `--quant auto` keeps for this
-    # target) decodes one stream 1.4x faster but batches worse (16 rows: 51 ms a step against fp32's 44 ms), so
-    # a server of many users is faster in fp32 (docs/batching.md).
+    # its accuracy against its fp32 self. The target's is the build's measurement (TARGET_QUANT auto): on AVX2
+    # without VNNI int8-wo decodes one stream ~2x faster but 16 rows slower than fp32, so a 16-request server
+    # gets fp32 there; with VNNI int8-wo is faster at every batch size.
     cfg = BuildConfig(target=TARGET, draft=[str(demo.draft_path), "ngram"], name=NAME, engines_dir=demo.engines_dir,
                       repo_dir=demo.repo_dir, force=True, quant=QuantConfig(mode=TARGET_QUANT),
                       draft_quant=QuantConfig(mode=DRAFT_QUANT, accept_accuracy_loss=True))
@@ -157,13 +158,16 @@ def build_engines(demo: Demo) -> str:
 
 
 def _deployed(manifest: Manifest) -> str:
+    mode = manifest.target.quant_mode
+    target = f"target {'fp32' if mode == 'none' else mode}, "
     choice = manifest.draft_choice
     if not choice:
-        return f"deployed draft: {manifest.draft.kind}"
-    return f"deployed {choice.chosen} ({choice.reason})"
+        return f"{target}deployed draft: {manifest.draft.kind}"
+    return f"{target}deployed {choice.chosen} ({choice.reason})"
 
 
 def _print_choice(demo: Demo, manifest: Manifest) -> None:
+    _print_precisions(demo, manifest)
     choice = manifest.draft_choice
     if not choice:
         return
@@ -177,6 +181,27 @@ def _print_choice(demo: Demo, manifest: Manifest) -> None:
     demo.console.print(table)
     for warning in manifest.warnings:
         demo.console.print(f"[yellow]warning:[/] {warning}")
+
+
+def _print_precisions(demo: Demo, manifest: Manifest) -> None:
+    """The table `--quant auto` chose the target's precision from (manifest target.quant)."""
+    quant = manifest.target.quant
+    if quant is None or not quant.candidates or quant.load_rows is None:
+        return
+    rows = quant.load_rows
+    table = Table(title=f"target precision, measured on this machine (1 and {rows} rows: ms a batched step, tok/s)",
+                  title_justify="left")
+    for column in ("precision", "perplexity", "top-1", "budget", "1 row ms", "tok/s", f"{rows} rows ms", "tok/s "):
+        table.add_column(column, justify="left" if column == "precision" else "right")
+    for c in quant.candidates:
+        accuracy = c.accuracy
+        table.add_row(("* " if c.mode == quant.mode else "  ") + ("fp32" if c.mode == "none" else c.mode),
+                      "-" if accuracy is None else f"{accuracy.ppl_rel_change:+.1%}",
+                      "-" if accuracy is None else f"{accuracy.top1_agreement:.3f}", "in" if c.within_budget else "OVER",
+                      f"{c.decode_ms[1]:.1f}", f"{c.tokens_per_s(1):.1f}", f"{rows * 1e3 / c.tokens_per_s(rows):.1f}",
+                      f"{c.tokens_per_s(rows):.1f}")
+    demo.console.print(table)
+    demo.console.print(f"target precision: {quant.reason}")
 
 
 def generate_samples(demo: Demo) -> str:

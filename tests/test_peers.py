@@ -191,3 +191,93 @@ def test_a_model_builder_failure_is_one_line(tmp_path):
     with pytest.raises(ExportError) as info:
         run_model_builder(bad, tmp_path / "out", "fp32", tmp_path / "cache")
     assert "\n" not in str(info.value) and str(bad) in str(info.value)
+
+
+# --- peers at int8 / int4, scored by specpipe's accuracy check ---------------------------------------------------
+
+
+def test_compare_models_reads_a_planted_drift():
+    """The metrics of any two logits functions: equal models agree exactly; a model whose logits favour another
+    token everywhere loses top-1 agreement and perplexity."""
+    import numpy as np
+
+    from specpipe.quantize.accuracy import compare_models
+
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((10, 10)).astype(np.float32)  # next-token logits by current token
+
+    def model(ids):
+        return table[np.asarray(ids)]
+
+    def drifted(ids):
+        logits = model(ids).copy()
+        logits[:, 3] += 20.0
+        return logits
+
+    batches = [rng.integers(0, 10, size=12).tolist() for _ in range(3)]
+    same = compare_models(model, model, batches, mode="same")
+    assert same.top1_agreement == 1.0 and same.ppl_rel_change == pytest.approx(0.0, abs=1e-12) and same.num_positions == 33
+    worse = compare_models(model, drifted, batches, mode="drift")
+    assert worse.top1_agreement < 0.5 and worse.ppl_rel_change > 0.5 and worse.mean_kl > 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny_f32_gguf(tiny_target, tmp_path_factory):
+    from tests.test_gguf import write_llama_gguf
+
+    return write_llama_gguf(tiny_target, tmp_path_factory.mktemp("gguf") / "target.gguf", pre="smollm")
+
+
+def test_llamacpp_int4_is_q4_0_by_llamas_quantize_and_scored_against_f32(tiny_target, tiny_f32_gguf, tiny_tokenizer,
+                                                                          tmp_path, monkeypatch):
+    """At int4 llama.cpp runs its own Q4_0 of the f32 GGUF (not the GGUF the checkpoint came from), and its accuracy
+    is measured against the f32 GGUF: exact for f32 against itself, a drift for Q4_0."""
+    note = missing_note("llamacpp")
+    if note:
+        pytest.skip(note)
+    import llama_cpp
+
+    from specpipe.bench.peers.common import PeerPair
+    from specpipe.bench.peers.llamacpp import _file_type, accuracy, gguf_for
+    from specpipe.contract.quant import QuantConfig
+    from specpipe.quantize.calibration import evaluation_batches
+
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "cache"))
+    q4, note = gguf_for(tiny_target, tiny_f32_gguf, "int4")
+    assert note is None and q4 != tiny_f32_gguf and _file_type(q4) == llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    batches = evaluation_batches(tiny_tokenizer, QuantConfig())[:3]
+    pair = PeerPair(target_dir=tiny_target, draft_dir=None, eos_token_ids=(2,), threads=1, draft_lengths=(),
+                    precision="int4", target_gguf=tiny_f32_gguf)
+    report, name = accuracy(pair, batches)
+    assert name == "q4_0" and report.num_positions > 0 and report.mean_kl > 0
+    itself, _ = accuracy(PeerPair(**{**pair.__dict__, "precision": "fp32"}), batches)
+    assert itself.top1_agreement == 1.0 and itself.mean_kl < 1e-6
+
+
+def test_peer_accuracy_scores_each_peer_and_specpipe_against_the_budget(monkeypatch, tiny_target):
+    """At a quantized deployment: specpipe's own numbers from its manifest, then each peer's `accuracy`, each held to
+    the deployment's budget; a peer that fails is a note; nothing at fp32."""
+    import types
+
+    from specpipe.bench import peers
+    from specpipe.contract.quant import AccuracyReport
+
+    def report(top1):
+        return AccuracyReport(mode="m", num_sequences=1, num_positions=10, ppl_ref=10.0, ppl_quant=10.2,
+                              ppl_rel_change=0.02, top1_agreement=top1, mean_kl=0.01, max_kl=0.1)
+
+    fakes = {"ortgenai": types.SimpleNamespace(accuracy=lambda pair, batches: (report(0.63), "its builder's default int4")),
+             "llamacpp": types.SimpleNamespace(accuracy=lambda pair, batches: 1 / 0)}
+    monkeypatch.setattr(peers, "peer_module", fakes.__getitem__)
+    monkeypatch.setattr(peers, "missing_packages", lambda name: [])
+    monkeypatch.setattr("specpipe.quantize.calibration.evaluation_batches", lambda tokenizer, cfg: [[1, 2, 3]])
+    manifest = {"target": {"resolved_path": str(tiny_target), "engine": {"quant": "int4-wo"},
+                           "quant": {"accuracy": report(0.95).as_dict(), "budget": {"min_top1_agreement": 0.9}}},
+                "draft": {"kind": "none"}, "eos_token_ids": [2]}
+    entries, notes = peers.peer_accuracy(["ortgenai", "llamacpp"], manifest, 1, tokenizer=None)
+    assert [(e["peer"], e["precision"], e["within_budget"]) for e in entries] == [(None, "int4", True), ("ortgenai", "int4", False)]
+    assert entries[1]["violations"][0]["metric"] == "top-1 agreement"
+    assert notes[1].startswith("accuracy ortgenai its builder's default int4 vs its fp32") and "over the budget" in notes[1]
+    assert notes[2].startswith("accuracy llamacpp: skipped")
+    fp32 = {**manifest, "target": {**manifest["target"], "engine": {"quant": "none"}}}
+    assert peers.peer_accuracy(["ortgenai"], fp32, 1, tokenizer=None) == ([], [])

@@ -1,8 +1,9 @@
-"""Weight-only targets made by onnxruntime-genai's model builder, and `--quant auto` (the first candidate within
-the accuracy budget, fastest first; the unquantized engine when none is)."""
+"""Weight-only targets made by onnxruntime-genai's model builder, and `--quant auto` (fp32 and every candidate built,
+measured for accuracy and timed at the server's batch sizes; builder/quant_choice.py's rule picks)."""
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import onnx
 import pytest
@@ -77,42 +78,187 @@ def _planted_accuracy(over_budget: set[str]):
     return measure
 
 
-def test_auto_builds_keep_the_first_candidate_within_budget(monkeypatch, tiny_target, tmp_path):
-    """int4-wo planted over budget, int8-wo within: the build deploys int8-wo and records both."""
-    from specpipe.builder import build
+# Batched step times (rows -> ms) shaped like the ones measured on SmolLM2-135M (docs/quantization.md):
+# Zen 4 with VNNI, int8-wo faster alone and batched; AVX2 without VNNI, int8-wo faster alone, slower at 16 rows.
+VNNI = {"none": {1: 26.8, 2: 27.5, 4: 29.0, 8: 31.0, 16: 36.4}, "int8-wo": {1: 10.5, 2: 12.0, 4: 15.0, 8: 20.0, 16: 27.7},
+        "int4-wo": {1: 7.6, 2: 9.0, 4: 12.0, 8: 16.0, 16: 22.0}}
+AVX2 = {"none": {1: 21.0, 2: 23.0, 4: 26.0, 8: 32.0, 16: 43.0}, "int8-wo": {1: 10.0, 2: 13.0, 4: 20.0, 8: 30.0, 16: 51.0},
+        "int4-wo": {1: 7.5, 2: 10.0, 4: 17.0, 8: 28.0, 16: 50.0}}
 
-    assert AUTO_QUANT_CANDIDATES[:2] == ("int4-wo", "int8-wo")
+
+def _candidates(costs: dict, over_budget=()):
+    from specpipe.contract.manifest import QuantCandidate
+
+    return [QuantCandidate(mode=mode, within_budget=mode not in over_budget, seconds=1.0, decode_ms=ms,
+                           violations=[{"metric": "top-1 agreement", "value": 0.7, "limit": 0.9}] if mode in over_budget else [])
+            for mode, ms in costs.items()]
+
+
+def test_choice_with_vnni_costs_is_int8_for_a_server_and_alone():
+    from specpipe.builder.quant_choice import choose
+
+    for rows in (16, 1):
+        mode, reason = choose(_candidates(VNNI, over_budget={"int4-wo"}), rows)
+        assert mode == "int8-wo", reason
+        assert "over the accuracy budget: int4-wo" in reason
+
+
+def test_choice_where_int8_batches_worse_is_fp32_for_a_batching_server_and_int8_alone():
+    from specpipe.builder.quant_choice import choose
+
+    mode, reason = choose(_candidates(AVX2, over_budget={"int4-wo"}), 16)
+    assert mode == "none" and reason.startswith("fp32") and "16 requests" in reason
+    mode, reason = choose(_candidates(AVX2, over_budget={"int4-wo"}), 1)
+    assert mode == "int8-wo" and "one request at a time" in reason
+    mode, _ = choose(_candidates(AVX2, over_budget={"int4-wo"}), 4)  # 4 / 26 ms against 4 / 20 ms
+    assert mode == "int8-wo"
+
+
+def test_a_precision_over_budget_is_never_chosen_even_when_fastest():
+    from specpipe.builder.quant_choice import choose
+
+    assert choose(_candidates(VNNI), 16)[0] == "int4-wo"  # the same costs, in budget: int4-wo is fastest
+    assert choose(_candidates(VNNI, over_budget={"int4-wo"}), 16)[0] == "int8-wo"
+    assert choose(_candidates(VNNI, over_budget={"int4-wo", "int8-wo"}), 16)[0] == "none"
+
+
+def test_a_near_tie_at_full_load_goes_to_the_faster_one_stream():
+    """int8-wo 3% slower than fp32 at 16 rows (within LOAD_TIE) and twice as fast alone: int8-wo; 10% slower: fp32."""
+    from specpipe.builder.quant_choice import LOAD_TIE, choose
+
+    near = {"none": {1: 20.0, 16: 40.0}, "int8-wo": {1: 10.0, 16: 40.0 / (1 - 0.6 * LOAD_TIE)}}
+    mode, reason = choose(_candidates(near), 16)
+    assert mode == "int8-wo" and "fp32 within 5% at full load, slower alone" in reason
+    far = {"none": {1: 20.0, 16: 40.0}, "int8-wo": {1: 10.0, 16: 40.0 / (1 - 2 * LOAD_TIE)}}
+    assert choose(_candidates(far), 16)[0] == "none"
+
+
+def test_goodput_reads_sizes_between_those_timed_as_the_planner_does():
+    from specpipe.contract.costs import BatchCosts
+
+    candidate = _candidates({"none": {1: 10.0, 2: 12.0, 4: 16.0}})[0]
+    assert candidate.tokens_per_s(4) == pytest.approx(4 * 1e3 / 16.0)
+    assert candidate.tokens_per_s(3) == pytest.approx(3 * 1e3 / BatchCosts({1: 10.0, 2: 12.0, 4: 16.0}).decode(3))
+
+
+def _planted_speeds(costs: dict):
+    """A stand-in for measure_precisions: `costs` by mode, for the rows asked (the sizes the build times)."""
+    from specpipe.builder.measure import batch_sizes
+    from specpipe.contract.costs import BatchCosts
+
+    def measure(folders, min_rows, max_rows, threads, **options):
+        assert set(folders) == {"none", *AUTO_QUANT_CANDIDATES} and all(f.is_dir() for f in folders.values())
+        return {mode: {n: BatchCosts(costs[mode]).decode(n) for n in batch_sizes(max_rows)} for mode in folders}
+    return measure
+
+
+def test_auto_build_deploys_the_measured_choice_and_records_every_measurement(monkeypatch, tiny_target, tmp_path):
+    """int4-wo planted over budget and fastest, VNNI-like costs: the build deploys int8-wo, keeps fp32 beside it,
+    removes int4-wo, and the manifest records every precision's accuracy, step times and the reason."""
+    from specpipe.builder import build
+    from specpipe.contract.manifest import read_manifest
+
     monkeypatch.setattr("specpipe.quantize.accuracy.measure_accuracy", _planted_accuracy({"int4-wo"}))
+    monkeypatch.setattr("specpipe.builder.cpu.measure_precisions", _planted_speeds(VNNI))
     folder = build(BuildConfig(target=str(tiny_target), draft="none", name="auto", engines_dir=tmp_path, repo_dir=None,
-                               quant=QuantConfig(mode="auto")))
+                               quant=QuantConfig(mode="auto"), backend={"kind": "onnxruntime", "max_batch_size": 8}))
     manifest = json.loads((folder / "manifest.json").read_text())
     target = manifest["target"]
     assert target["engine"]["quant"] == "int8-wo" and target["quant"]["mode"] == "int8-wo"
     assert manifest["build"]["quant"]["mode"] == "auto"
-    candidates = target["quant"]["candidates"]
-    assert [c["mode"] for c in candidates] == ["int4-wo", "int8-wo"]
-    assert [c["within_budget"] for c in candidates] == [False, True]
-    assert candidates[0]["violations"] and candidates[0]["accuracy"]["top1_agreement"] == 0.5
+    quant = read_manifest(folder).target.quant
+    assert [c.mode for c in quant.candidates] == ["none", "int8-wo", "int4-wo"]
+    assert [c.within_budget for c in quant.candidates] == [True, True, False]
+    assert quant.candidates[2].violations and quant.candidates[2].accuracy.top1_agreement == 0.5
+    assert quant.candidates[0].accuracy is None
+    assert [sorted(c.decode_ms) for c in quant.candidates] == [[1, 2, 4, 8]] * 3
+    assert quant.candidates[1].decode_ms[8] == VNNI["int8-wo"][8]
+    assert quant.load_rows == 8 and quant.reason.startswith("int8-wo decodes the most tokens/s")
     assert json.loads((folder / "target" / "engine.json").read_text())["quant"] == "int8-wo"
-    assert (folder / target["quant"]["reference_path"] / "model.onnx").is_file()
+    assert (folder / quant.reference_path / "model.onnx").is_file()
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("target")) == ["target", "target-fp32"]
+    assert target["verify_consistency"]["positions"] > 0
 
 
-def test_auto_falls_back_to_the_unquantized_engine(monkeypatch, genai_fp32, tiny_tokenizer, tmp_path):
-    """Every candidate planted over budget: the unquantized engine takes the target's place, and the record says so."""
+def test_auto_keeps_fp32_where_quantized_targets_batch_worse(monkeypatch, genai_fp32, tiny_tokenizer, tmp_path):
+    """Every quantized target in budget, AVX2-like costs, a 16-request server: fp32 takes the target's place and
+    the quantized engines are removed; the record says why."""
     import shutil
 
     from specpipe.builder.cpu import _auto_quant
 
     reference = tmp_path / "target-fp32"
     shutil.copytree(genai_fp32, reference)
-    monkeypatch.setattr("specpipe.quantize.accuracy.measure_accuracy", _planted_accuracy(set(AUTO_QUANT_CANDIDATES)))
+    monkeypatch.setattr("specpipe.quantize.accuracy.measure_accuracy", _planted_accuracy(set()))
+    monkeypatch.setattr("specpipe.builder.cpu.measure_precisions", _planted_speeds(AVX2))
     said = []
-    record = _auto_quant(reference, tmp_path / "target", QuantConfig(mode="auto"), tiny_tokenizer, None, 1, said.append,
-                         "target")
+    cfg = BuildConfig(target="x", draft="none", backend={"kind": "onnxruntime", "max_batch_size": 16, "threads": 1})
+    record, consistency, min_rows = _auto_quant(reference, tmp_path / "target", QuantConfig(mode="auto"), tiny_tokenizer,
+                                                None, cfg, said.append, "target", {})
     assert record.mode == "none" and record.reference_path is None and not reference.exists()
     assert json.loads((tmp_path / "target" / "engine.json").read_text())["quant"] == "none"
-    assert [(c.mode, c.within_budget) for c in record.candidates] == [(mode, False) for mode in AUTO_QUANT_CANDIDATES]
-    assert any("keeping it unquantized" in line for line in said)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+    assert [(c.mode, c.within_budget) for c in record.candidates] == [("none", True), ("int8-wo", True), ("int4-wo", True)]
+    assert record.reason.startswith("fp32") and record.load_rows == 16
+    assert consistency.positions > 0 and min_rows >= 1
+    assert any(line.startswith("--quant auto: chose fp32") for line in said)
+
+
+def test_measure_precisions_times_every_engine_at_every_size(genai_fp32):
+    from specpipe.builder.measure import measure_precisions
+
+    ms = measure_precisions({"none": genai_fp32, "int8-wo": genai_fp32}, {"none": 1, "int8-wo": 2}, 4, 1, repeats=2)
+    assert list(ms) == ["none", "int8-wo"]
+    assert all(sorted(by_rows) == [1, 2, 4] and all(v > 0 for v in by_rows.values()) for by_rows in ms.values())
+
+
+def test_batch_steps_take_turns_call_by_call():
+    """The engines are timed A B A B ..., not A A B B: load that changes during the measurement falls on both."""
+    from specpipe.engines.timing import batch_steps_ms
+
+    calls = []
+
+    class Batch:
+        def __init__(self, name):
+            self.name = name
+
+        def new_sequence(self):
+            return Sequence()
+
+        def decode(self, sequences, tokens):
+            calls.append(self.name)
+
+    class Sequence:
+        def append(self, tokens):
+            pass
+
+        def truncate(self, length):
+            pass
+
+    class Engine:
+        vocab_size = 100
+
+        def __init__(self, name):
+            self.name = name
+
+        def new_batch(self, rows):
+            return Batch(self.name)
+
+    batch_steps_ms([Engine("a"), Engine("b")], 2, repeats=3)
+    assert calls == ["a", "b"] + ["a", "b"] * 3  # a warm-up call each, then turns
+
+
+def test_a_manifest_from_before_timed_choices_reads(tmp_path):
+    """A QuantRecord written by the first-within-budget rule (no step times, no reason) still reads and prints."""
+    from specpipe.contract.manifest import QuantRecord
+
+    old = {"mode": "int8-wo", "candidates": [
+        {"mode": "int4-wo", "within_budget": False, "seconds": 47.0, "violations": [{"metric": "top-1 agreement", "value": 0.7, "limit": 0.9}]},
+        {"mode": "int8-wo", "within_budget": True, "seconds": 21.0}]}
+    record = QuantRecord.model_validate(old)
+    assert record.load_rows is None and record.reason is None and record.candidates[1].decode_ms is None
+    assert record.candidates[1].summary(16) == "int8-wo: within budget (21 s)"
+    assert record.model_dump() == {**old, "candidates": [{**c, "violations": c.get("violations", [])} for c in old["candidates"]]}
 
 
 def test_auto_is_the_targets_alone(tiny_target, capsys, tmp_path):
@@ -140,3 +286,31 @@ def test_candidate_summary_names_the_failed_metric():
     line = QuantCandidate(mode="int4-wo", accuracy=accuracy, within_budget=False, seconds=12.0,
                           violations=[{"metric": "top-1 agreement", "value": 0.7, "limit": 0.9}]).summary()
     assert "+8.0%" in line and "0.700" in line and "over budget (top-1 agreement 0.7 vs limit 0.9)" in line
+
+
+def test_the_demo_builds_its_target_at_the_measured_precision(monkeypatch, tmp_path):
+    """demo.py asks the build for --quant auto (not a constant precision) and prints the table that chose it."""
+    from rich.console import Console
+
+    from specpipe import demo
+    from specpipe.contract.manifest import QuantRecord
+
+    asked = {}
+
+    def build(cfg, progress=None):
+        asked["cfg"] = cfg
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr("specpipe.builder.build", build)
+    state = demo.Demo(Console(file=None, record=True), engines_dir=tmp_path, repo_dir=tmp_path / "repo")
+    state.target, state.draft_path = SimpleNamespace(weights_sha256="x"), tmp_path
+    with pytest.raises(RuntimeError, match="stop"):
+        demo.build_engines(state)
+    assert asked["cfg"].quant.mode == "auto"
+
+    record = QuantRecord(mode="none", candidates=_candidates(AVX2, over_budget={"int4-wo"}), load_rows=16,
+                         reason="fp32 decodes the most tokens/s")
+    manifest = SimpleNamespace(target=SimpleNamespace(quant=record))
+    demo._print_precisions(state, manifest)
+    text = state.console.export_text()
+    assert "* fp32" in text and "OVER" in text and "43.0" in text and "fp32 decodes the most tokens/s" in text

@@ -44,12 +44,15 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
     rows = spec_rows(generator, cfg.draft_lengths if deployment.drafter is not None else [],
                      cfg.adaptive and deployment.drafter is not None, decoding=deployment.decoding,
                      strategy=strategy)
-    from specpipe.bench.peers import peer_rows, peer_versions
+    from specpipe.bench.peers import peer_accuracy, peer_rows, peer_versions
 
     extra, peer_notes = peer_rows(list(cfg.peers), deployment.manifest.as_dict(), cfg.threads,
                                   cfg.peer_draft_lengths or cfg.draft_lengths,
                                   say=lambda text: say(text, 0, None))
     rows += extra
+    accuracy, accuracy_notes = peer_accuracy(list(cfg.peers), deployment.manifest.as_dict(), cfg.threads,
+                                             deployment.tokenizer, say=lambda text: say(text, 0, None))
+    peer_notes += accuracy_notes
 
     encoded = [(s.name, [(p.id, generator.encode(p.prompt, chat=cfg.chat)) for p in s.prompts]) for s in prompt_sets]
     total = sum(len(rows) * len(prompts) for _, prompts in encoded) + len(rows) * cfg.warmup_prompts
@@ -90,6 +93,7 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
         "step_costs_ms": _step_costs(deployment),
         "adaptive_costs": deployment.costs.as_dict(),  # what adaptive K assumed: the build's measurement
         "peer_notes": peer_notes,
+        "peer_accuracy": accuracy,  # at int8 / int4: each quantized target against its own fp32 (bench/peers)
         "peer_versions": peer_versions(list(cfg.peers)),
         "sets": sets,
         "wall_s": time.perf_counter() - started,

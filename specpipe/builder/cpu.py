@@ -22,6 +22,7 @@ from specpipe.builder.measure import (
     measure_built_draft_batch_costs,
     measure_built_step_costs,
     measure_candidates,
+    measure_precisions,
     measure_step_costs,
     measure_target_min_rows,
 )
@@ -40,6 +41,7 @@ from specpipe.export.ortgenai_builder import run_model_builder
 from specpipe.machine import describe_machine
 from specpipe.contract.manifest import (
     ChoiceSample,
+    ConsistencyRecord,
     DraftChoice,
     DraftEntry,
     EngineRecord,
@@ -108,8 +110,9 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         timings: dict[str, float] = {}
         target_entry = _build_engine(target, stage / "target", cfg, cfg.quant, tokenizer, say, timings, "target",
                                      feature_layers=feature_layers)
-        target_entry.verify_consistency, target_entry.min_rows_per_call = measure_target_min_rows(
-            stage / "target", target_entry.engine.quant, cfg, tokenizer, say, timings)
+        if target_entry.verify_consistency is None:  # --quant auto measured it while choosing
+            target_entry.verify_consistency, target_entry.min_rows_per_call = measure_target_min_rows(
+                stage / "target", target_entry.engine.quant, cfg, tokenizer, say, timings)
 
         def build_draft(spec: str, out: Path, spent: dict) -> DraftEntry:
             """One --draft candidate's files in `out` (its engine in out/draft), by its kind's build step."""
@@ -382,7 +385,8 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
         # (the builder would rebuild the full one), so specpipe's quantizer quantizes that graph instead.
         checkpoint = ckpt.path if graph == "genai" and vocab is None else None
         if qcfg.mode == "auto":
-            entry.quant = _auto_quant(reference, out, qcfg, tokenizer, checkpoint, cfg.backend.threads, say, role)
+            entry.quant, entry.verify_consistency, entry.min_rows_per_call = _auto_quant(
+                reference, out, qcfg, tokenizer, checkpoint, cfg, say, role, timings)
             entry.engine.quant = entry.quant.mode
         else:
             say(f"quantizing the {role} ({qcfg.mode}) and measuring its accuracy")
@@ -394,30 +398,48 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
     return entry
 
 
-def _auto_quant(reference: Path, out: Path, qcfg, tokenizer, checkpoint: Optional[Path], threads: int, say: Progress,
-                role: str) -> QuantRecord:
-    """`--quant auto`: quantize `reference` into `out` as each of AUTO_QUANT_CANDIDATES (fastest first), measure
-    each against it, and keep the first within qcfg.budget; if none is, the unquantized engine becomes `out`.
-    The record names the kept mode and lists every candidate's numbers."""
+def _auto_quant(reference: Path, out: Path, qcfg, tokenizer, checkpoint: Optional[Path], cfg: BuildConfig, say: Progress,
+                role: str, timings: dict) -> tuple[QuantRecord, ConsistencyRecord, int]:
+    """`--quant auto`: quantize `reference` (the fp32 engine) as each of AUTO_QUANT_CANDIDATES beside it, measure
+    each one's accuracy against it, time them all with fp32 at the batch sizes the server runs, and move the
+    one builder/quant_choice.py chooses into `out`; fp32 stays as `reference` beside a quantized choice.
+    Returns (the record: every candidate's numbers and the reason; the chosen engine's consistency record and
+    rows per call, as measure_target_min_rows gives them)."""
+    from specpipe.builder import quant_choice
     from specpipe.contract.quant import AUTO_QUANT_CANDIDATES
     from specpipe.quantize import quantize_engine
 
-    candidates = []
+    folders, blocks, seconds = {"none": reference}, {}, {"none": 0.0}
     for mode in AUTO_QUANT_CANDIDATES:
         say(f"--quant auto: quantizing the {role} ({mode}) and measuring its accuracy")
         started = time.perf_counter()
-        block = quantize_engine(reference, out, qcfg.model_copy(update={"mode": mode, "accept_accuracy_loss": True}),
-                                tokenizer, model_name=role, threads=threads, checkpoint=checkpoint)
-        candidate = QuantCandidate(mode=mode, accuracy=block["accuracy"], violations=block["violations"],
-                                   within_budget=not block["violations"], seconds=round(time.perf_counter() - started, 2))
-        candidates.append(candidate)
-        say(f"--quant auto: {candidate.summary()}")
-        if candidate.within_budget:
-            return QuantRecord(**block, reference_path=reference.name, candidates=candidates)
-        shutil.rmtree(out)
-    say(f"--quant auto: no quantized {role} within the accuracy budget; keeping it unquantized")
-    reference.rename(out)
-    return QuantRecord(mode="none", budget=qcfg.budget, candidates=candidates)
+        folders[mode] = out.with_name(f"{role}-{mode}")
+        blocks[mode] = quantize_engine(reference, folders[mode], qcfg.model_copy(update={"mode": mode, "accept_accuracy_loss": True}),
+                                       tokenizer, model_name=role, threads=cfg.backend.threads, checkpoint=checkpoint)
+        seconds[mode] = round(time.perf_counter() - started, 2)
+    consistency = {mode: measure_target_min_rows(folder, mode, cfg, tokenizer, say, timings) for mode, folder in folders.items()}
+    rows = cfg.backend.max_batch_size
+    say(f"--quant auto: timing {', '.join(map(quant_choice.name, folders))} at 1 to {rows} rows, in turn")
+    decode_ms = measure_precisions(folders, {mode: c[1] for mode, c in consistency.items()}, rows, cfg.backend.threads)
+    candidates = [QuantCandidate(mode=mode, accuracy=blocks[mode]["accuracy"] if mode in blocks else None,
+                                 violations=blocks[mode]["violations"] if mode in blocks else [],
+                                 within_budget=not (mode in blocks and blocks[mode]["violations"]), seconds=seconds[mode],
+                                 decode_ms=decode_ms[mode], min_rows_per_call=consistency[mode][1])
+                  for mode in folders]  # fmt: skip
+    for candidate in candidates:
+        say(f"--quant auto: {candidate.summary(rows)}")
+    chosen, reason = quant_choice.choose(candidates, rows)
+    say(f"--quant auto: chose {quant_choice.name(chosen)}: {reason}")
+    for mode, folder in folders.items():
+        if mode not in (chosen, "none"):
+            shutil.rmtree(folder)
+    folders[chosen].rename(out)
+    if chosen == "none":
+        record = QuantRecord(mode="none", budget=qcfg.budget, candidates=candidates, load_rows=rows, reason=reason)
+    else:
+        record = QuantRecord(**blocks[chosen], reference_path=reference.name, candidates=candidates, load_rows=rows,
+                             reason=reason)
+    return record, *consistency[chosen]
 
 
 # Architectures onnxruntime-genai's builder turns into the shared-KV graph that engines/shared_kv.py runs.

@@ -5,6 +5,8 @@
     batch costs        batched one-token steps by rows, for the load-adaptive batch planner
     target_min_rows    whether the target scores a position alike alone and inside a verify call, and the
                        rows per call that make it so
+    precisions         --quant auto: fp32 and the quantized targets' batched steps, timed in turn
+                       (`measure_precisions`); which one is deployed is quant_choice.py's `choose`
     candidates         several --draft candidates against the target alone (`measure_candidates`); which one
                        is deployed is draft_choice.py's `choose`
 
@@ -31,7 +33,7 @@ from specpipe.drafts import kind_named, make_drafter
 from specpipe.engines import load_engine
 from specpipe.engines.base import Engine
 from specpipe.engines.onnxruntime import TARGET_MIN_ROWS
-from specpipe.engines.timing import batch_step_ms, head_step_ms, step_ms
+from specpipe.engines.timing import batch_step_ms, batch_steps_ms, head_step_ms, step_ms
 from specpipe.speculative.adaptive import predicted_speedup
 from specpipe.speculative.drafters import Drafter
 from specpipe.speculative.generator import SpecGenerator
@@ -54,8 +56,24 @@ def measure_batch_costs(target, max_rows: int, *, context_len: int = 64, repeats
     4, ... up to `max_rows` rows, each row holding a `context_len`-token cache (medians of `repeats`). An
     engine without batched calls is timed too: its rows then cost n lone steps, which the planner reads as
     "batching saves nothing"."""
-    sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_rows} | {max_rows})
-    return BatchCosts({n: batch_step_ms(target, n, context_len=context_len, repeats=repeats) for n in sizes})
+    return BatchCosts({n: batch_step_ms(target, n, context_len=context_len, repeats=repeats) for n in batch_sizes(max_rows)})
+
+
+def batch_sizes(max_rows: int) -> list[int]:
+    """The rows batched steps are timed at: 1, 2, 4, ... up to `max_rows`, and `max_rows` itself."""
+    return sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_rows} | {max_rows})
+
+
+def measure_precisions(folders: dict[str, Path], min_rows: dict[str, int], max_rows: int, threads: int, *,
+                       repeats: int = 9, context_len: int = 64) -> dict[str, dict[int, float]]:
+    """--quant auto: one target built at several precisions ({mode: engine folder}), each opened with its
+    rows per call (`min_rows`, as it would be served), timed as `measure_batch_costs` times one, at every size
+    of `batch_sizes(max_rows)`; the engines take turns call by call (engines/timing.py `batch_steps_ms`), so
+    their ratios hold on a loaded machine. Returns {mode: {rows: median ms of one batched one-token step}}."""
+    modes = list(folders)
+    engines = [load_engine(folders[mode], threads=threads, min_rows=min_rows[mode]) for mode in modes]
+    by_rows = {n: batch_steps_ms(engines, n, context_len=context_len, repeats=repeats) for n in batch_sizes(max_rows)}
+    return {mode: {n: ms[index] for n, ms in by_rows.items()} for index, mode in enumerate(modes)}
 
 
 # Prompts on which the build checks that the target is one function (a code and a prose continuation).

@@ -185,9 +185,11 @@ def _print_summary(folder: Path, manifest: Manifest) -> None:
     click.echo(f"built {folder}")
     click.echo(f"  target {t.source}: max |logit diff| vs torch {t.export_check.max_abs_diff:.2e}")
     if t.quant is not None and t.quant.candidates:
-        click.echo(f"  target --quant auto kept {t.quant.mode}; candidates, fastest first:")
+        click.echo(f"  target --quant auto kept {'fp32' if t.quant.mode == 'none' else t.quant.mode}; every precision measured:")
         for candidate in t.quant.candidates:
-            click.echo(f"   {'*' if candidate.mode == t.quant.mode else ' '} {candidate.summary()}")
+            click.echo(f"   {'*' if candidate.mode == t.quant.mode else ' '} {candidate.summary(t.quant.load_rows)}")
+        if t.quant.reason:
+            click.echo(f"  target precision: {t.quant.reason}")
     from specpipe.drafts import kind_named
 
     for line in kind_named(d.kind).describe(d):

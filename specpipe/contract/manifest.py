@@ -70,21 +70,38 @@ class ExportCheck(_Part):
 
 
 class QuantCandidate(_Record):
-    """One mode `--quant auto` tried: its accuracy against the unquantized engine and whether it was in budget."""
+    """One precision `--quant auto` built and measured: its accuracy against the unquantized engine, whether it was
+    in budget, and (builds since the choice is timed) its batched step times on this machine. `mode` none is the
+    unquantized engine itself: no accuracy numbers, always within budget."""
 
     mode: QuantMode
     accuracy: Optional[AccuracyReport] = None
     violations: list[dict] = Field(default_factory=list)
     within_budget: bool
-    seconds: float  # quantizing and measuring it
+    seconds: float  # quantizing and measuring its accuracy
+    decode_ms: Optional[dict[int, float]] = None  # rows -> ms of one batched one-token step (as BatchCosts)
+    min_rows_per_call: Optional[int] = None  # its 1-token steps ran as this many rows (measure_target_min_rows)
 
-    def summary(self) -> str:
+    def tokens_per_s(self, rows: int) -> float:
+        """Goodput at `rows` concurrent requests: rows tokens per batched step (sizes between those timed
+        interpolate, as the batch planner reads them)."""
+        return rows * 1e3 / BatchCosts(self.decode_ms).decode(rows)
+
+    def summary(self, rows: Optional[int] = None) -> str:
+        """One line: accuracy and budget verdict, then tokens/s alone and at `rows` requests when it was timed."""
         verdict = "within budget" if self.within_budget else "over budget (" + ", ".join(
             f"{v['metric']} {v['value']:.3g} vs limit {v['limit']:.3g}" for v in self.violations) + ")"
         numbers = "" if self.accuracy is None else (
             f"perplexity {self.accuracy.ppl_rel_change:+.1%}, top-1 agreement {self.accuracy.top1_agreement:.3f}, "
             f"mean KL {self.accuracy.mean_kl:.3f}: ")
-        return f"{self.mode}: {numbers}{verdict} ({self.seconds:.0f} s)"
+        name = "fp32" if self.mode == "none" else self.mode
+        speed = ""
+        if self.decode_ms:
+            speed = f"; 1 row {self.decode_ms[1]:.1f} ms ({self.tokens_per_s(1):.1f} tok/s)"
+            if rows is not None and rows > 1:
+                speed += f", {rows} rows {BatchCosts(self.decode_ms).decode(rows):.1f} ms ({self.tokens_per_s(rows):.1f} tok/s)"
+        took = f" ({self.seconds:.0f} s)" if self.mode != "none" else ""
+        return f"{name}: {numbers if self.mode != 'none' else 'the reference: '}{verdict}{speed}{took}"
 
 
 class QuantRecord(_Record):
@@ -94,7 +111,9 @@ class QuantRecord(_Record):
     accuracy: Optional[AccuracyReport] = None  # absent for mode none
     budget: Optional[AccuracyBudget] = None
     reference_path: Optional[str] = None  # the unquantized engine kept beside it (validate --remeasure)
-    candidates: Optional[list[QuantCandidate]] = None  # --quant auto: every mode tried, in order; `mode` is the kept one
+    candidates: Optional[list[QuantCandidate]] = None  # --quant auto: every precision measured; `mode` is the kept one
+    load_rows: Optional[int] = None  # --quant auto: the concurrent requests the choice was made for
+    reason: Optional[str] = None  # --quant auto: why `mode` (builder/quant_choice.py)
 
 
 class ConsistencyRecord(_Record):

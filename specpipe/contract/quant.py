@@ -15,12 +15,13 @@ from specpipe.config import Strict
 QuantMode = Literal["none", "int8-wo", "int4-wo", "int8", "fp8"]  # how an engine is quantized
 
 
-# --quant may also be `auto`: the build quantizes the target as each of AUTO_QUANT_CANDIDATES in turn and
-# keeps the first within its accuracy budget, else the unquantized engine (builder/cpu.py `_auto_quant`).
+# --quant may also be `auto`: the build makes the target in fp32 and as each of AUTO_QUANT_CANDIDATES, measures
+# every one's accuracy and speed on this machine, and keeps the one the serving load runs fastest within the
+# accuracy budget (builder/quant_choice.py states the rule).
 QuantChoice = Literal["none", "int8-wo", "int4-wo", "int8", "fp8", "auto"]
 
 
-AUTO_QUANT_CANDIDATES = ("int4-wo", "int8-wo")  # fastest first on CPU (MatMulNBits reads 4, then 8 bits a weight)
+AUTO_QUANT_CANDIDATES = ("int8-wo", "int4-wo")  # besides fp32: the weight-only modes ONNX Runtime runs fast on CPU
 
 
 KvCacheDtype = Literal["auto", "fp8", "int8"]
@@ -47,7 +48,8 @@ class QuantConfig(Strict):
     int8: W8A8 QDQ, per-channel weights, per-tensor activation scales calibrated on prompts.
     fp8: E4M3 weights and activations as QDQ with calibrated scales; ONNX Runtime on CPU emulates
     it (that is how accuracy is checked here), TensorRT on Hopper/Ada runs the same graph natively.
-    auto (a CPU target only): the first of AUTO_QUANT_CANDIDATES within the budget, else none.
+    auto (a CPU target only): fp32 or one of AUTO_QUANT_CANDIDATES, whichever decodes the most tokens per second
+    at the server's full batch within the budget (builder/quant_choice.py).
     """
 
     mode: QuantChoice = "none"

@@ -45,19 +45,29 @@ def head_step_ms(head, *, context_len: int = 64, repeats: int = 20) -> float:
 def batch_step_ms(engine, rows: int, *, context_len: int = 64, repeats: int = 5) -> float:
     """Median ms of one batched call appending one token to each of `rows` rows, each holding a
     `context_len`-token cache. An engine without batched calls runs its rows one by one."""
-    vocab = engine.vocab_size
-    context = [(7 * i + 3) % vocab for i in range(context_len)]
-    batch = engine.new_batch(rows)
-    sequences = [batch.new_sequence() for _ in range(rows)]
-    for sequence in sequences:
-        sequence.append(context)
-    tokens = [11 % vocab] * rows
-    batch.decode(sequences, tokens)  # warm-up
-    seconds = []
-    for _ in range(repeats):
+    return batch_steps_ms([engine], rows, context_len=context_len, repeats=repeats)[0]
+
+
+def batch_steps_ms(engines, rows: int, *, context_len: int = 64, repeats: int = 5) -> list[float]:
+    """`batch_step_ms` of each of `engines`, timed in turn call by call (A B C A B C ...), so load from other
+    processes on a shared machine falls on all of them alike and their ratios hold."""
+    setups = []
+    for engine in engines:
+        vocab = engine.vocab_size
+        context = [(7 * i + 3) % vocab for i in range(context_len)]
+        batch = engine.new_batch(rows)
+        sequences = [batch.new_sequence() for _ in range(rows)]
         for sequence in sequences:
-            sequence.truncate(context_len)
-        t0 = time.perf_counter()
-        batch.decode(sequences, tokens)
-        seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds) * 1e3
+            sequence.append(context)
+        tokens = [11 % vocab] * rows
+        batch.decode(sequences, tokens)  # warm-up
+        setups.append((batch, sequences, tokens))
+    seconds: list[list[float]] = [[] for _ in engines]
+    for _ in range(repeats):
+        for (batch, sequences, tokens), times in zip(setups, seconds):
+            for sequence in sequences:
+                sequence.truncate(context_len)
+            t0 = time.perf_counter()
+            batch.decode(sequences, tokens)
+            times.append(time.perf_counter() - t0)
+    return [statistics.median(times) * 1e3 for times in seconds]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -50,17 +50,28 @@ def measure_accuracy(ref_dir: Path, quant_dir: Path, token_batches: Sequence[Seq
     """Compare the engine in `quant_dir` with the one in `ref_dir` on `token_batches` (see module docstring)."""
     from specpipe.engines import load_engine, read_engine_meta
 
+    ref, quant = load_engine(ref_dir, threads=threads), load_engine(quant_dir, threads=threads)
+    vocab = min(ref.vocab_size, quant.vocab_size)
+    return compare_models(lambda ids: sequence_logits(ref, ids)[:, :vocab], lambda ids: sequence_logits(quant, ids)[:, :vocab],
+                          token_batches, mode=str(read_engine_meta(quant_dir).get("quant", "none")),
+                          next_tokens=lambda ids: _scored_next_tokens(ref, ids))
+
+
+def compare_models(ref_logits: Callable[[list[int]], np.ndarray], quant_logits: Callable[[list[int]], np.ndarray],
+                   token_batches: Sequence[Sequence[int]], *, mode: str,
+                   next_tokens: Optional[Callable[[list[int]], tuple[np.ndarray, np.ndarray]]] = None) -> AccuracyReport:
+    """The module docstring's metrics for any two models given as `logits(token_ids) -> [len(token_ids), vocab]`
+    from an empty cache (specpipe's engines, or another runtime's: bench/peers). `next_tokens(ids)`: the
+    (positions, logit columns) of the scored next tokens; default every position, column = token id."""
     batches = [list(b) for b in token_batches if len(b) >= 2]
     if not batches:
         raise UsageError("the accuracy check needs at least one sequence of 2 or more tokens")
-    ref, quant = load_engine(ref_dir, threads=threads), load_engine(quant_dir, threads=threads)
     nll_ref, nll_quant, agree, kl = [], [], [], []
     for token_ids in batches:
-        vocab = min(ref.vocab_size, quant.vocab_size)
         # The last position has no next token in the sequence: drop it from every metric alike.
-        logp_ref = log_softmax(sequence_logits(ref, token_ids)[:-1, :vocab])  # [T-1, V]
-        logp_quant = log_softmax(sequence_logits(quant, token_ids)[:-1, :vocab])  # [T-1, V]
-        rows, next_ids = _scored_next_tokens(ref, token_ids)
+        logp_ref = log_softmax(ref_logits(token_ids)[:-1])  # [T-1, V]
+        logp_quant = log_softmax(quant_logits(token_ids)[:-1])  # [T-1, V]
+        rows, next_ids = next_tokens(token_ids) if next_tokens else (np.arange(len(token_ids) - 1), np.asarray(token_ids[1:]))
         nll_ref.append(-logp_ref[rows, next_ids])
         nll_quant.append(-logp_quant[rows, next_ids])
         agree.append(logp_ref.argmax(-1) == logp_quant.argmax(-1))
@@ -68,7 +79,7 @@ def measure_accuracy(ref_dir: Path, quant_dir: Path, token_batches: Sequence[Seq
     nll_ref, nll_quant, agree, kl = (np.concatenate(x) for x in (nll_ref, nll_quant, agree, kl))
     ppl_ref, ppl_quant = float(np.exp(nll_ref.mean())), float(np.exp(nll_quant.mean()))
     return AccuracyReport(
-        mode=str(read_engine_meta(quant_dir).get("quant", "none")),
+        mode=mode,
         num_sequences=len(batches),
         num_positions=int(agree.size),
         ppl_ref=ppl_ref,

@@ -36,7 +36,8 @@ KV_CACHE_DTYPES = {"onnxruntime": ("auto",)}
 MODE_HELP = (
     "none | int8-wo | int4-wo (weight-only, MatMulNBits: the fast CPU path) | int8 (W8A8, calibrated) | "
     "fp8 (E4M3 QDQ, calibrated; ONNX Runtime on CPU emulates it for the accuracy check, "
-    "TensorRT on Hopper/Ada runs it natively)"
+    "TensorRT on Hopper/Ada runs it natively) | auto (target only: fp32, int8-wo or int4-wo, whichever decodes "
+    "the most tokens/s here at --max-batch-size requests within the accuracy budget)"
 )
 
 

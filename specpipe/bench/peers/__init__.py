@@ -5,6 +5,11 @@ Each peer converts the deployment's checkpoints with its own tooling (cached und
 hf comes with specpipe; openvino and ortgenai with `pip install 'specpipe[peers]'`, llamacpp with
 `'specpipe[peers-llamacpp]'` (it builds llama.cpp from source). A peer whose package is
 missing, or whose conversion fails, becomes one note line in the results, never a failed bench.
+
+At int8 / int4 (a deployment whose target is quantized: the peers convert to the same precision), each peer
+that can give teacher-forced logits (its module's `accuracy`) has its quantized target scored against its own
+fp32 by specpipe's accuracy check (quantize/accuracy.py: perplexity, top-1 agreement, KL, on the packaged
+held-out evaluation set) and held to the deployment's budget: `peer_accuracy`.
 """
 
 from __future__ import annotations
@@ -109,6 +114,56 @@ def pair_from_manifest(manifest: dict, threads: int, draft_lengths: list[int]) -
     return pair, None
 
 
+def peer_module(name: str):
+    """A peer's module (specpipe.bench.peers.<module>): `rows(pair)`, and `accuracy(pair, batches)` where it has one."""
+    return importlib.import_module(f"specpipe.bench.peers.{PEERS[name].module}")
+
+
+def peer_accuracy(names: list[str], manifest: dict, threads: int, tokenizer,
+                  say=lambda text: None) -> tuple[list[dict], list[str]]:
+    """At a quantized deployment's precision: specpipe's own target accuracy (from its manifest) and each installed
+    peer's quantized target against that peer's fp32, on the same evaluation set and budget. Returns (one dict
+    per model: peer (None = specpipe), precision, model, the AccuracyReport's numbers, within_budget, violations;
+    one note line per model). Nothing at fp32."""
+    from specpipe.contract.quant import AccuracyBudget, QuantConfig
+    from specpipe.quantize.accuracy import budget_violations
+    from specpipe.quantize.calibration import evaluation_batches
+
+    pair, _ = pair_from_manifest(manifest, threads, [])
+    if pair is None or pair.precision == "fp32" or not names:
+        return [], []
+    quant = manifest.get("target", {}).get("quant") or {}
+    budget = AccuracyBudget(**quant["budget"]) if quant.get("budget") else AccuracyBudget()
+    entries, notes = [], []
+
+    def add(peer: Optional[str], model: str, report: dict) -> None:
+        from specpipe.contract.quant import AccuracyReport
+
+        violations = budget_violations(AccuracyReport(**report), budget)
+        entries.append({"peer": peer, "precision": pair.precision, "model": model, **report,
+                        "within_budget": not violations, "violations": [v.as_dict() for v in violations]})
+        verdict = "within the budget" if not violations else "over the budget (" + ", ".join(
+            f"{v.metric} {v.value:.3g} vs {v.limit:.3g}" for v in violations) + ")"
+        notes.append(f"accuracy {peer or 'specpipe'} {model} vs its fp32: perplexity {report['ppl_rel_change']:+.1%}, "
+                     f"top-1 {report['top1_agreement']:.3f}, mean KL {report['mean_kl']:.3f}: {verdict}")
+
+    if quant.get("accuracy"):
+        add(None, manifest["target"]["engine"]["quant"], quant["accuracy"])
+    batches = evaluation_batches(tokenizer, QuantConfig())
+    for name in names:
+        module = peer_module(name) if not missing_packages(name) else None
+        if module is None or not hasattr(module, "accuracy"):
+            continue
+        say(f"{name}: scoring its {pair.precision} target against its fp32")
+        try:
+            report, model = module.accuracy(pair, batches)
+        except Exception as err:  # as in peer_rows: a peer's failure is a note, never a failed bench
+            notes.append(f"accuracy {name}: skipped: {(str(err).strip().splitlines() or [type(err).__name__])[0]}")
+            continue
+        add(name, model, report.as_dict())
+    return entries, notes
+
+
 def peer_rows(names: list[str], manifest: dict, threads: int, draft_lengths: list[int],
               say=lambda text: None) -> tuple[list[PeerRow], list[str]]:
     """Every available peer's rows for a deployment, and one note per peer skipped or partly skipped."""
@@ -129,8 +184,7 @@ def peer_rows(names: list[str], manifest: dict, threads: int, draft_lengths: lis
             continue
         say(f"{name}: converting and loading")
         try:
-            module = importlib.import_module(f"specpipe.bench.peers.{PEERS[name].module}")
-            extra_rows, extra_notes = module.rows(pair)
+            extra_rows, extra_notes = peer_module(name).rows(pair)
         except SpecpipeError as err:
             notes.append(f"{name}: skipped: {err}")
             continue

@@ -3,7 +3,8 @@
 Models: at fp32 (int8), each checkpoint converted by llama.cpp's own `convert_hf_to_gguf.py --outtype f32`
 (`q8_0`), taken from the llama-cpp-python sdist of the installed version (pip download, cached), so the
 weights are the ones specpipe runs; a checkpoint that specpipe itself converted from an f32 GGUF runs
-that GGUF. When the converter cannot take a checkpoint (an unknown BPE pre-tokenizer), the GGUF the
+that GGUF. At int4 the f32 GGUF is quantized to Q4_0 by llama.cpp's own quantize (`llama_model_quantize`,
+its default recipe for the type), which the converter cannot write. When the converter cannot take a checkpoint (an unknown BPE pre-tokenizer), the GGUF the
 checkpoint came from runs instead, at its own precision, and a note says so.
 
 Rows: target alone; prompt lookup (`LlamaPromptLookupDecoding`, the binding's own drafter); and the
@@ -27,6 +28,8 @@ N_CTX = 2048  # prompts + 128 new tokens + a draft fit; a smaller KV cache than 
 # llama-cpp-python's own defaults for its prompt-lookup drafter.
 PROMPT_LOOKUP = {"max_ngram_size": 2, "num_pred_tokens": 10}
 OUTTYPE = {"fp32": "f32", "int8": "q8_0"}  # convert_hf_to_gguf.py --outtype per precision
+QUANTIZE_FTYPE = {"int4": "LLAMA_FTYPE_MOSTLY_Q4_0"}  # precisions llama.cpp's quantize makes from the f32 GGUF
+GGUF_TYPE = {"fp32": "f32", "int8": "q8_0", "int4": "q4_0"}  # how the rows and notes name each
 GGUF_F32 = 0  # gguf's LlamaFileType.ALL_F32
 
 
@@ -64,9 +67,10 @@ def gguf_for(checkpoint_dir: Path, source_gguf: Optional[Path], precision: str) 
     """A GGUF of the checkpoint at `precision`, and a note when it had to be another precision."""
     if source_gguf is not None and _file_type(source_gguf) == GGUF_F32 and precision == "fp32":
         return source_gguf, None
-    if precision in OUTTYPE:
+    if precision in OUTTYPE or precision in QUANTIZE_FTYPE:
         try:
-            return _converted(checkpoint_dir, precision), None
+            return (_converted(checkpoint_dir, precision) if precision in OUTTYPE
+                    else _quantized(checkpoint_dir, source_gguf, precision)), None
         except ExportError as err:
             if source_gguf is None:
                 raise
@@ -93,6 +97,22 @@ def _converted(checkpoint_dir: Path, precision: str) -> Path:
                  f"llama.cpp's convert_hf_to_gguf.py on {checkpoint_dir}")
 
     return cached_conversion("llamacpp", checkpoint_dir, precision, tool, convert) / "model.gguf"
+
+
+def _quantized(checkpoint_dir: Path, source_gguf: Optional[Path], precision: str) -> Path:
+    """The f32 GGUF (as the fp32 rows run it) quantized by llama.cpp's `llama_model_quantize`, cached. It runs in a
+    subprocess, as the converter does: llama.cpp prints a line per tensor, and a failure becomes one line."""
+    f32, _ = gguf_for(checkpoint_dir, source_gguf, "fp32")
+    ftype = QUANTIZE_FTYPE[precision]
+    tool = f"llama.cpp llama_model_quantize {ftype} of llama-cpp-python {package_version('llama-cpp-python')}"
+
+    def quantize(out: Path) -> None:
+        run_tool(["-c", "import ctypes, sys, llama_cpp; params = llama_cpp.llama_model_quantize_default_params(); "
+                  "params.ftype = getattr(llama_cpp, sys.argv[3]); "
+                  "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))",
+                  str(f32), str(out / "model.gguf"), ftype], f"{tool} on {f32}")
+
+    return cached_conversion("llamacpp", f32, precision, tool, quantize) / "model.gguf"
 
 
 def _file_type(path: Path) -> Optional[int]:
@@ -160,6 +180,33 @@ def draft_model_drafter(draft_llm):
             return np.array(drafted, dtype=np.intc)
 
     return DraftLlama()
+
+
+def accuracy(pair: PeerPair, token_batches) -> tuple[object, str]:
+    """The target GGUF at the pair's precision against the f32 GGUF, by specpipe's accuracy check (teacher-forced
+    logits of every position, `logits_all`). Returns (AccuracyReport, the quantized model's name)."""
+    from specpipe.quantize.accuracy import compare_models
+
+    reference, _ = gguf_for(pair.target_dir, pair.target_gguf, "fp32")
+    quantized, note = gguf_for(pair.target_dir, pair.target_gguf, pair.precision)
+    name = quantized.name if note else GGUF_TYPE.get(pair.precision, pair.precision)
+    return compare_models(_all_logits(reference, pair.threads), _all_logits(quantized, pair.threads), token_batches,
+                          mode=name), name
+
+
+def _all_logits(gguf: Path, threads: int):
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, logits_all=True,
+                verbose=False)
+
+    def logits(token_ids: list[int]) -> np.ndarray:  # [len(token_ids), vocab] from an empty cache
+        llm.reset()
+        llm.eval(token_ids)
+        return np.array(llm.scores[: len(token_ids)], dtype=np.float32)
+
+    return logits
 
 
 def rows(pair: PeerPair) -> tuple[list[PeerRow], list[str]]:

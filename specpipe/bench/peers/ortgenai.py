@@ -83,6 +83,37 @@ class OGGenerate:
         return measurement
 
 
+def accuracy(pair: PeerPair, token_batches) -> tuple[object, str]:
+    """Its builder's target graph at the pair's precision against its fp32 graph, by specpipe's accuracy check:
+    both graphs are the shared-KV kind specpipe's engines run (engines/shared_kv.py), opened through a view
+    folder with the engine.json specpipe's loader reads. Returns (AccuracyReport, the model's name)."""
+    import tempfile
+
+    from specpipe.quantize.accuracy import measure_accuracy
+
+    name = f"its builder's default {pair.precision}"
+    with tempfile.TemporaryDirectory(prefix="ortgenai-accuracy-") as views:
+        reference = _engine_view(build(pair.target_dir, "fp32"), pair.target_dir, Path(views) / "fp32", "none")
+        quantized = _engine_view(build(pair.target_dir, pair.precision), pair.target_dir, Path(views) / "quant", name)
+        return measure_accuracy(reference, quantized, token_batches, threads=pair.threads), name
+
+
+def _engine_view(model_dir: Path, checkpoint_dir: Path, view: Path, quant: str) -> Path:
+    """`view`: links to the builder's model files and the engine.json specpipe's loader needs."""
+    from specpipe.checkpoint import inspect_checkpoint
+    from specpipe.engines.onnxruntime import write_engine_meta
+    from specpipe.engines.shared_kv import KV_LAYOUT
+    from specpipe.quantize.graph import model_files
+
+    view.mkdir(parents=True)
+    for path in model_files(model_dir):
+        (view / path.name).symlink_to(path.resolve())
+    info = inspect_checkpoint(checkpoint_dir)
+    write_engine_meta(view, vocab_size=info.vocab_size, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
+                      head_dim=info.head_dim, max_seq_len=1024, quant=quant, kv_layout=KV_LAYOUT)
+    return view
+
+
 def rows(pair: PeerPair) -> tuple[list[PeerRow], list[str]]:
     eos, p = list(pair.eos_token_ids), pair.precision
     target_dir = build(pair.target_dir, p)
