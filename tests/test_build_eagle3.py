@@ -150,3 +150,39 @@ def test_a_head_naming_no_layers_reads_the_default_ones(tiny_tokenizer, tmp_path
     assert deployment.drafter.head.feature_layers == (1, 3, 4)
     result = deployment.generator.generate("def add(a, b):", deployment.generation_config(max_new_tokens=12))
     assert result.stats.drafted > 0
+
+
+def test_a_weight_only_quantized_target_feeds_the_head(tiny_target, tiny_head, tmp_path):
+    """--quant int8-wo: the model builder quantizes the target with the head's feature outputs kept, so the head
+    drafts for the quantized target and greedy output equals that target alone's. A calibrated mode (int8, optimum's
+    graph) cannot output them and is refused in one line (the refusal test above covers the graph case)."""
+    from specpipe.builder import build
+    from specpipe.deployment import load_deployment
+    from specpipe.drafts import read_manifest
+    from click.testing import CliRunner
+
+    from specpipe.engines.base import read_engine_meta
+    from specpipe.cli import cli
+    from specpipe.contract.quant import QuantConfig
+    from specpipe.speculative.eagle3 import Eagle3Drafter
+    from specpipe.speculative.equivalence import compare_greedy, near_tie_tolerance
+
+    folder = build(BuildConfig(target=str(tiny_target), draft=str(tiny_head), name="q8head", engines_dir=tmp_path,
+                               repo_dir=None, quant=QuantConfig(mode="int8-wo", accept_accuracy_loss=True)))
+    manifest = read_manifest(folder)
+    assert manifest.target.engine.quant == "int8-wo" and manifest.draft.kind == "eagle3"
+    meta = read_engine_meta(folder / manifest.target.engine.path)
+    assert meta["quant"] == "int8-wo" and meta["feature_layers"] == [0]
+    deployment = load_deployment(folder, threads=1)
+    assert isinstance(deployment.drafter, Eagle3Drafter)
+    runner = CliRunner()
+    args = ["generate", str(folder), "-p", "def add(a, b):", "--max-tokens", "24", "--json"]
+    spec, base = runner.invoke(cli, args + ["-k", "3"]), runner.invoke(cli, args + ["--no-speculative"])
+    assert spec.exit_code == 0 and base.exit_code == 0, spec.output + base.output
+    spec_out, base_out = json.loads(spec.output), json.loads(base.output)
+    assert spec_out["drafted"] > 0
+    if spec_out["token_ids"] != base_out["token_ids"]:  # the project's near-tie rule: a flip only at a near-tie
+        prompt = deployment.generator.encode("def add(a, b):", chat=False)
+        divergence = compare_greedy(deployment.target, prompt, spec_out["token_ids"], base_out["token_ids"],
+                                    near_tie_tolerance("int8-wo"))
+        assert divergence.near_tie, divergence

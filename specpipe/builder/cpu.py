@@ -182,15 +182,15 @@ def _head_feature_layers(heads: list[str], cfg: BuildConfig, info) -> tuple[int,
                          + "; ".join(f"{spec}: {list(layers)}" for spec, layers in wanted.items())
                          + "): one target engine outputs one set")
     layers = next(iter(wanted.values()))
-    # The builder's graph outputs features; optimum's does not, and a builder-quantized target is rebuilt from the
-    # checkpoint without them (quantize/weight_only.py), so a head is built with the unquantized builder graph.
-    refusal = ("--quant " + cfg.quant.mode if cfg.quant.mode != "none" else None) or builder_refusal(info, cfg.quant.mode)
+    # The builder's graph outputs features, at fp32 and weight-only int8/int4 alike (quantize/pipeline.py
+    # `quantize_with_builder` asks the builder for its source's feature layers); optimum's graph does not.
+    refusal = builder_refusal(info, cfg.quant.mode)
     if refusal is None and target_graph(cfg, info) != "genai":
         refusal = f"--target-graph {cfg.backend.target_graph}" + (" (onnxruntime-genai is not installed)"
                                                                    if cfg.backend.target_graph == "auto" else "")
     if refusal:
         raise UsageError(f"--draft {heads[0]} is an EAGLE-3 head reading target layers {list(layers)}: only the "
-                         f"unquantized builder graph (--target-graph genai) outputs them, not this target's ({refusal})")
+                         f"builder graph (--target-graph genai; fp32, int8-wo, int4-wo) outputs them, not this target's ({refusal})")
     return layers
 
 

@@ -142,7 +142,8 @@ def quantize_onnx(src_dir: Path, dst_dir: Path, cfg: QuantConfig, calib: Sequenc
 def quantize_with_builder(checkpoint_dir: Path, src_dir: Path, dst_dir: Path, cfg: QuantConfig) -> QuantResult:
     """Write `checkpoint_dir` as a weight-only engine in `dst_dir` with onnxruntime-genai's model builder
     (weight_only.BUILDER_RECIPES[cfg.mode]); `src_dir` is the unquantized builder engine of the same checkpoint,
-    whose engine.json it shares."""
+    whose engine.json it shares. A source that outputs an EAGLE-3 head's features (engine.json `feature_layers`)
+    gives a quantized graph that outputs the same layers."""
     from specpipe.engines.base import ENGINE_META, read_engine_meta
     from specpipe.export.ortgenai_builder import run_model_builder
     from specpipe.quantize.weight_only import BUILDER_RECIPES
@@ -156,7 +157,7 @@ def quantize_with_builder(checkpoint_dir: Path, src_dir: Path, dst_dir: Path, cf
     dst_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="specpipe-builder-", dir=dst_dir.parent) as raw:
         run_model_builder(checkpoint_dir, Path(raw) / "out", recipe.precision, Path(raw) / "cache",
-                          extra_options=recipe.options(cfg.group_size))
+                          extra_options=recipe.options(cfg.group_size), feature_layers=meta.get("feature_layers"))
         for path in model_files(Path(raw) / "out"):  # its genai_config.json and tokenizer files are not ours to keep
             shutil.move(str(path), dst_dir / path.name)
     (dst_dir / ENGINE_META).write_text(json.dumps({**meta, "quant": cfg.mode}, indent=2) + "\n")
