@@ -160,36 +160,39 @@ class SharedKVEngine(Engine):
         return outputs
 
 
-# Calls of at most this many new tokens a row (decode steps, speculative verification) write their outputs into
-# buffers the binding keeps; longer ones (prompt chunks: [rows, 256, 49152] floats is 50 MB a row) into new arrays.
-_KEPT_OUTPUT_TOKENS = 32
+# Calls of at most this many new tokens a row (decode steps, speculative verification up to K = 16) write their
+# outputs into buffers the binding keeps; longer ones (prompts: [1, 256, 49152] floats is 50 MB) into new arrays.
+_KEPT_OUTPUT_TOKENS = 17
 
 
 class KVBinding:
     """`SharedKVEngine.bind`'s result: an IOBinding whose KV arrays are bound in place once, and the output arrays
-    ONNX Runtime writes into (preallocated per call shape: no allocation, no copy out of ONNX Runtime's memory)."""
+    ONNX Runtime writes into: the leading part of one buffer per output, kept for the next calls (no allocation, no
+    copy out of ONNX Runtime's memory)."""
 
     def __init__(self, engine: SharedKVEngine, binding, output_names: tuple[str, ...]):
         self.engine, self.binding, self.output_names = engine, binding, output_names
         outputs = {o.name: o for o in engine.session.get_outputs()}
         self.widths = [int(outputs[name].shape[-1]) for name in output_names]  # vocab, hidden * layers
         self.dtypes = [np.float16 if outputs[name].type == "tensor(float16)" else np.float32 for name in output_names]
-        self._kept: dict[tuple[int, int], list[np.ndarray]] = {}
-        self._bound: Optional[list[np.ndarray]] = None
+        self._kept: list[np.ndarray] = [np.empty((0, w), d) for w, d in zip(self.widths, self.dtypes)]  # [tokens, width]
+        self._bound: tuple[tuple[int, int], list[np.ndarray]] = ((0, 0), [])
 
     def bind_outputs(self, rows: int, new: int) -> list[np.ndarray]:
         """The arrays the next call writes its outputs into: [rows, new, width] each."""
         import onnxruntime as ort
 
-        arrays = self._kept.get((rows, new))
-        if arrays is None:
-            arrays = [np.empty((rows, new, width), dtype) for width, dtype in zip(self.widths, self.dtypes)]
-            if new <= _KEPT_OUTPUT_TOKENS:
-                self._kept[(rows, new)] = arrays
-        if arrays is not self._bound:
-            for name, array in zip(self.output_names, arrays):
-                self.binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
-            self._bound = arrays
+        if self._bound[0] == (rows, new):
+            return self._bound[1]
+        if new <= _KEPT_OUTPUT_TOKENS:
+            if len(self._kept[0]) < rows * new:
+                self._kept = [np.empty((rows * new, w), d) for w, d in zip(self.widths, self.dtypes)]
+            arrays = [kept[: rows * new].reshape(rows, new, -1) for kept in self._kept]  # contiguous views
+        else:
+            arrays = [np.empty((rows, new, w), d) for w, d in zip(self.widths, self.dtypes)]
+        for name, array in zip(self.output_names, arrays):
+            self.binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+        self._bound = ((rows, new), arrays) if new <= _KEPT_OUTPUT_TOKENS else ((0, 0), [])
         return arrays
 
 
