@@ -387,6 +387,33 @@ def test_planted_binding_bugs_fail(pair, torch_target, monkeypatch, planted):
         check_kept_bindings(pair, torch_target)
 
 
+def check_a_binding_lets_go_of_a_prompts_logits(engine):
+    """A kept binding holds the arrays it binds; a prompt's logits (new arrays, not kept) must not stay alive in it."""
+    import gc
+    import weakref
+
+    buffers = [np.zeros((1, engine.kv_heads, 64, engine.head_dim), engine.kv_dtype) for _ in engine.past_names]
+    kv = engine.bind(buffers)
+    logits = engine.run(kv, np.arange(3, 43)[None, :], np.array([0]))  # [1, 40, vocab]: more than a binding keeps
+    alive = weakref.ref(logits)
+    del logits
+    gc.collect()
+    assert alive() is None
+    assert engine.run(kv, np.array([[7]]), np.array([40])).shape == (1, 1, engine.vocab_size)  # and binds anew
+
+
+def test_a_binding_lets_go_of_a_prompts_logits(pair):
+    check_a_binding_lets_go_of_a_prompts_logits(pair.target)
+
+
+def test_planted_binding_that_holds_a_prompts_logits_fails(pair, monkeypatch):
+    import specpipe.engines.shared_kv as shared_kv
+
+    monkeypatch.setattr(shared_kv.KVBinding, "let_go", lambda self: None)
+    with pytest.raises(AssertionError):
+        check_a_binding_lets_go_of_a_prompts_logits(pair.target)
+
+
 def test_a_full_batch_refuses_another_row(pair):
     batch = pair.target.new_batch(1)
     batch.new_sequence()

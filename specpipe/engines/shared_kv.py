@@ -146,18 +146,21 @@ class SharedKVEngine(Engine):
         kv.binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         kv.binding.bind_cpu_input("attention_mask", mask)
         outputs = kv.bind_outputs(rows, new)
-        if preempt is None:
-            self.session.run_with_iobinding(kv.binding)
+        try:
+            if preempt is None:
+                self.session.run_with_iobinding(kv.binding)
+                return outputs
+            run_options = ort.RunOptions()
+            with preempt.running(lambda: setattr(run_options, "terminate", True)):
+                try:
+                    self.session.run_with_iobinding(kv.binding, run_options)
+                except Exception:  # onnxruntime's RuntimeError "Exiting due to terminate flag being set to true"
+                    if preempt.requested:
+                        raise Preempted() from None
+                    raise
             return outputs
-        run_options = ort.RunOptions()
-        with preempt.running(lambda: setattr(run_options, "terminate", True)):
-            try:
-                self.session.run_with_iobinding(kv.binding, run_options)
-            except Exception:  # onnxruntime's RuntimeError "Exiting due to terminate flag being set to true"
-                if preempt.requested:
-                    raise Preempted() from None
-                raise
-        return outputs
+        finally:
+            kv.let_go()
 
 
 # Calls of at most this many new tokens a row (decode steps, speculative verification up to K = 16) write their
@@ -194,6 +197,16 @@ class KVBinding:
             self.binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
         self._bound = ((rows, new), arrays) if new <= _KEPT_OUTPUT_TOKENS else ((0, 0), [])
         return arrays
+
+    def let_go(self) -> None:
+        """After a call into new arrays (a prompt's), stop holding them: the binding holds what it binds, and 16 rows'
+        64-token prompts left 200 MB of logits alive (measured: a 16-row batch's peak 1413 MiB against 1220 before
+        bindings were kept). The next call binds its outputs anew."""
+        import onnxruntime as ort
+
+        if not self._bound[1]:
+            for name, width, dtype in zip(self.output_names, self.widths, self.dtypes):
+                self.binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(np.empty((1, 1, width), dtype)))
 
 
 class KVBatch(EngineBatch):
