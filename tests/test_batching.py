@@ -338,6 +338,82 @@ def test_the_buffer_grows_past_its_first_capacity(pair, torch_target):
     np.testing.assert_allclose(logits[1], torch_logits(torch_target, long + [9])[-1], atol=1e-4)
 
 
+def check_kept_bindings(pair, torch_target):
+    """Calls go through bindings the batch keeps (engines/shared_kv.py KVBinding): logits returned earlier stay as
+    they were after the next call into the same output buffer, and once the buffer grows (new arrays, for another
+    row) a row's calls and the batched calls write to the new arrays."""
+    batch = pair.target.new_batch(2)
+    short, long = batch.new_sequence(), batch.new_sequence()
+    rng = np.random.default_rng(4)
+    ids, long_ids = [int(t) for t in rng.integers(3, 300, size=12)], [int(t) for t in rng.integers(3, 300, size=300)]
+    reference = torch_logits(torch_target, ids)
+    short.append(ids[:8])
+    steps = [short.append([t]) for t in ids[8:10]]  # one-token calls into one kept output buffer
+    long.append(long_ids)  # beyond the first 256 tokens of capacity: the buffer grows
+    steps.append(short.append([ids[10]]))
+    both = batch.decode([short, long], [ids[11], 7])
+    for i, logits in enumerate(steps):
+        np.testing.assert_allclose(logits[0], reference[8 + i], atol=1e-4)
+    np.testing.assert_allclose(both[0], reference[11], atol=1e-4)
+    np.testing.assert_allclose(both[1], torch_logits(torch_target, long_ids + [7])[-1], atol=1e-4)
+
+
+def test_kept_bindings_give_each_call_its_own_logits_and_follow_a_grown_buffer(pair, torch_target):
+    check_kept_bindings(pair, torch_target)
+
+
+@pytest.mark.parametrize("planted", ["returns the kept buffer", "keeps bindings of the old buffer"])
+def test_planted_binding_bugs_fail(pair, torch_target, monkeypatch, planted):
+    import specpipe.engines.shared_kv as shared_kv
+
+    if planted == "returns the kept buffer":  # no copy out of the output buffer the next call overwrites
+        def forward(self, token_ids):
+            batch, pad = self.batch, max(0, self.batch.engine.min_rows - len(token_ids))
+            batch._reserve(len(self.tokens) + len(token_ids) + pad)
+            ids = np.asarray([token_ids + token_ids[-1:] * pad])
+            return batch.engine.run(batch._binding(self.slot, 1, False), ids, np.array([len(self.tokens)]))[0, : len(token_ids)]
+
+        monkeypatch.setattr(shared_kv.SlotSequence, "_forward", forward)
+    else:
+        grow = shared_kv.KVBatch._grow
+
+        def grow_keeping_bindings(self, capacity):
+            kept = getattr(self, "_bindings", {})
+            grow(self, capacity)
+            self._bindings = kept
+
+        monkeypatch.setattr(shared_kv.KVBatch, "_grow", grow_keeping_bindings)
+    with pytest.raises(AssertionError):
+        check_kept_bindings(pair, torch_target)
+
+
+def check_a_binding_lets_go_of_a_prompts_logits(engine):
+    """A kept binding holds the arrays it binds; a prompt's logits (new arrays, not kept) must not stay alive in it."""
+    import gc
+    import weakref
+
+    buffers = [np.zeros((1, engine.kv_heads, 64, engine.head_dim), engine.kv_dtype) for _ in engine.past_names]
+    kv = engine.bind(buffers)
+    logits = engine.run(kv, np.arange(3, 43)[None, :], np.array([0]))  # [1, 40, vocab]: more than a binding keeps
+    alive = weakref.ref(logits)
+    del logits
+    gc.collect()
+    assert alive() is None
+    assert engine.run(kv, np.array([[7]]), np.array([40])).shape == (1, 1, engine.vocab_size)  # and binds anew
+
+
+def test_a_binding_lets_go_of_a_prompts_logits(pair):
+    check_a_binding_lets_go_of_a_prompts_logits(pair.target)
+
+
+def test_planted_binding_that_holds_a_prompts_logits_fails(pair, monkeypatch):
+    import specpipe.engines.shared_kv as shared_kv
+
+    monkeypatch.setattr(shared_kv.KVBinding, "let_go", lambda self: None)
+    with pytest.raises(AssertionError):
+        check_a_binding_lets_go_of_a_prompts_logits(pair.target)
+
+
 def test_a_full_batch_refuses_another_row(pair):
     batch = pair.target.new_batch(1)
     batch.new_sequence()

@@ -22,7 +22,7 @@ running batch at any step and leave when done; one thread runs the steps. Each s
   3. verify: requests without drafts append their last token in ONE batched target call; each request
      with drafts runs its own call on [last token, x_1..x_K] (engines/shared_kv.py says why);
   4. accept each x_i with min(1, p/q), resample the first rejection from norm(max(0, p - q)), or add the
-     bonus token (verify.py, as in decoder.py), roll the request's cache back to what it accepted, and
+     bonus token (settle.py, the step decoder.py also runs), roll the request's cache back to what it accepted, and
      hand the emitted tokens to its reader.
 
 Each request keeps its own random generator, sampling settings, stop conditions and statistics, and its
@@ -43,18 +43,12 @@ import numpy as np
 
 from specpipe.contract.costs import BatchCosts, StepCosts
 from specpipe.contract.generation import GenerationConfig
-from specpipe.engines.base import Engine, EngineSequence, Preempted, Preemption
+from specpipe.engines.base import Engine, Preempted, Preemption
 from specpipe.errors import SpecpipeError, UsageError
-from specpipe.speculative.adaptive import (
-    DraftLengthPolicy,
-    draft_length_policy,
-    plan_batch_draft_lengths,
-    scheduled_draft_length,
-)
-from specpipe.speculative.decoder import _cut_at_eos
-from specpipe.speculative.drafters import DraftSession, Drafter, Proposal
+from specpipe.speculative.adaptive import plan_batch_draft_lengths, scheduled_draft_length
+from specpipe.speculative.drafters import Drafter, Proposal
+from specpipe.speculative.settle import RequestState, settle
 from specpipe.speculative.stats import SpecStats
-from specpipe.speculative.verify import judge
 
 _DONE = object()  # end of a request's token stream
 
@@ -64,21 +58,10 @@ class ServerBusyError(UsageError):
 
 
 @dataclass
-class _Request:
-    prompt_ids: list[int]
-    cfg: GenerationConfig
-    stats: SpecStats
-    eos_token_ids: set[int]
+class _Request(RequestState):
     out: "queue.Queue" = field(default_factory=queue.Queue)
-    context: list[int] = field(default_factory=list)
-    produced: int = 0
-    row: Optional[EngineSequence] = None
-    draft: Optional[DraftSession] = None
-    draft_len: Optional[DraftLengthPolicy] = None
-    rng: Optional[np.random.Generator] = None
     cancelled: bool = False
     joins: int = 0  # the batched step (a count of steps done) it first takes part in (`_started`)
-    features_from: int = 0  # first position its row's last target call ran (`_observe_features`)
 
 
 class BatchScheduler:
@@ -175,14 +158,7 @@ class BatchScheduler:
 
     def _open(self, request: _Request) -> None:
         """Give an admitted request its target row, its draft session (a draft row when batched) and its K policy."""
-        request.context = list(request.prompt_ids)
-        request.rng = np.random.default_rng(request.cfg.seed)
-        request.row = self.batch.new_sequence()
-        speculating = request.cfg.speculative and self.drafter is not None
-        request.draft = self.drafter.new_request(request.cfg) if speculating else None
-        if speculating and self.drafter.reads_features:
-            request.row.keep_features()  # its target calls also give the features its drafter reads (EAGLE-3)
-        request.draft_len = draft_length_policy(request.cfg, self.costs)
+        request.start(self.batch.new_sequence(), self.drafter, self.costs, self.target.max_seq_len)
         if self.prior_acceptance is not None and hasattr(request.draft_len, "start_from"):
             request.draft_len.start_from(self.prior_acceptance)
 
@@ -266,26 +242,10 @@ class BatchScheduler:
 
     def _settle(self, request: _Request, proposal: Proposal, target_logits: np.ndarray, *, draft_s: float,
                 target_s: float) -> None:
-        """Judge one request's step, emit its tokens, and leave its cache holding the new context but its
-        last token (which the next step feeds)."""
-        verdict = judge(proposal.tokens, proposal.probs, target_logits, request.cfg.sampling, request.rng)
-        if request.draft is not None:
-            request.draft.observe(len(proposal.tokens), verdict.accepted_len)
-            request.draft_len.observe(len(proposal.tokens), verdict.accepted_len)
-        emitted = verdict.emitted(proposal.tokens)
-        if request.cfg.stop_on_eos:
-            emitted = _cut_at_eos(emitted, request.eos_token_ids)
-        emitted = emitted[: request.cfg.max_new_tokens - request.produced]
-        request.stats.record(len(proposal.tokens), verdict.accepted_len, len(emitted))
-        request.stats.draft_s += draft_s
-        request.stats.target_s += target_s
-        request.row.truncate(len(request.context) + verdict.accepted_len)
-        request.context += emitted
-        request.produced += len(emitted)
-        self._observe_features(request, len(request.context) - 1)  # all but the newest token are context
-        request.out.put(emitted)
-        ended = request.produced >= request.cfg.max_new_tokens or self._room(request) < 0
-        if ended or (request.cfg.stop_on_eos and emitted[-1] in request.eos_token_ids):
+        """Judge one request's step and hand its emitted tokens to its reader (settle.py); its cache then holds
+        the new context but its last token, which the next step feeds."""
+        request.out.put(settle(request, proposal, target_logits, draft_s=draft_s, target_s=target_s))
+        if request.finished:
             self._finish(request)
 
     def _prefill(self) -> None:
@@ -319,14 +279,7 @@ class BatchScheduler:
             if start + take == len(request.context):
                 self._started(request, logits[-1:], time.perf_counter() - t0)
             else:
-                self._observe_features(request, start + take)
-
-    def _observe_features(self, request: _Request, context_positions: int) -> None:
-        """Hand a drafter that reads features (EAGLE-3) those of the positions its row's last target call ran,
-        from `request.features_from`, that are context: the positions before `context_positions`."""
-        if request.draft is not None and self.drafter.reads_features:
-            first = request.features_from
-            request.draft.observe_features(first, request.row.features[: context_positions - first])
+                request.observe_features(start + take)
 
     def _started(self, request: _Request, logits: np.ndarray, target_s: float) -> None:
         """A request's first token, from its prompt's last logits [1, vocab]. It joins the batched steps at the
@@ -340,7 +293,7 @@ class BatchScheduler:
         preferred = []
         for request in ready:
             k = request.draft_len.k if request.draft is not None else 0
-            preferred.append(max(0, min(k, self._room(request))))
+            preferred.append(max(0, min(k, request.room())))
         if self.draft_schedule is not None:
             k = scheduled_draft_length(self.draft_schedule, len(ready))
             return [min(k, p) if r.draft is not None else 0 for r, p in zip(ready, preferred)]
@@ -349,10 +302,6 @@ class BatchScheduler:
         planned = plan_batch_draft_lengths(acceptances, preferred, self.costs, self.batch_costs, self.draft_batch_costs)
         # A request that asked for a fixed K gets it (benchmarks sweep K); the plan decides for the rest.
         return [p if f else k for p, f, k in zip(preferred, fixed, planned)]
-
-    def _room(self, request: _Request) -> int:
-        """Tokens that may still be drafted: the step also adds one target token, within both limits."""
-        return min(request.cfg.max_new_tokens - request.produced, self.target.max_seq_len - len(request.context)) - 1
 
     def _finish(self, request: _Request, done: bool = True) -> None:
         if request in self.running:

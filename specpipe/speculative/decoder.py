@@ -12,15 +12,13 @@ from __future__ import annotations
 import time
 from typing import Iterator, Optional, Sequence
 
-import numpy as np
 
 from specpipe.contract.costs import StepCosts
 from specpipe.contract.generation import GenerationConfig
 from specpipe.engines.base import Engine
-from specpipe.speculative.adaptive import draft_length_policy
 from specpipe.speculative.drafters import Drafter, Proposal
+from specpipe.speculative.settle import RequestState, settle
 from specpipe.speculative.stats import SpecStats
-from specpipe.speculative.verify import judge
 
 
 class SpeculativeDecoder:
@@ -38,58 +36,23 @@ class SpeculativeDecoder:
         eos = self.eos_token_ids if eos_token_ids is None else set(int(t) for t in eos_token_ids)
         if not prompt_ids:
             raise ValueError("prompt_ids must hold at least one token")
-        rng = np.random.default_rng(cfg.seed)
-        target = self.target.new_sequence()
-        draft = self.drafter.new_request(cfg) if (cfg.speculative and self.drafter is not None) else None
-        reads_features = draft is not None and self.drafter.reads_features
-        if reads_features:
-            target.keep_features()
-        draft_len = draft_length_policy(cfg, self.costs)  # fixed K, or K adapted to this request
-        context, produced = list(prompt_ids), 0
-        while produced < cfg.max_new_tokens:
-            room = min(cfg.max_new_tokens - produced, self.target.max_seq_len - len(context)) - 1
-            if room < 0:
-                return
-            k = min(draft_len.k, room) if draft is not None else 0
+        request = RequestState(list(prompt_ids), cfg, stats, eos)
+        request.start(self.target.new_sequence(), self.drafter, self.costs, self.target.max_seq_len)
+        while not request.finished:
+            k = min(request.draft_len.k, request.room()) if request.draft is not None else 0
 
             # 1. Draft: up to k tokens x_1..x_k, with the q they were drawn from.
             t0 = time.perf_counter()
-            proposal = draft.propose(context, k, cfg.sampling, rng) if k > 0 else Proposal.empty()
+            proposal = request.draft.propose(request.context, k, cfg.sampling, request.rng) if k > 0 else Proposal.empty()
             t1 = time.perf_counter()
 
-            # 2. Verify: one target call on [last context token, x_1..x_k] gives p for K+1 positions.
-            #    (The cache may already hold the last context token, if it equals a rejected draft: drop it.)
-            target.truncate(min(len(target), len(context) - 1))
-            computed = target.sync(context + proposal.tokens)  # logits of the positions this call ran
+            # 2. Verify: one target call on [last context token, x_1..x_k] gives p for K+1 positions (the first
+            #    call also runs the prompt before them).
+            request.features_from = len(request.row)
+            computed = request.row.append(request.context[len(request.row) :] + proposal.tokens)
             target_logits = computed[-(len(proposal.tokens) + 1) :]
             t2 = time.perf_counter()
 
             # 3. Accept each x_i with min(1, p/q); resample the first rejection from norm(max(0, p - q));
-            #    if all are accepted, add a bonus token from the target.
-            verdict = judge(proposal.tokens, proposal.probs, target_logits, cfg.sampling, rng)
-            if draft is not None:
-                draft.observe(len(proposal.tokens), verdict.accepted_len)
-                draft_len.observe(len(proposal.tokens), verdict.accepted_len)
-
-            emitted = verdict.emitted(proposal.tokens)
-            if cfg.stop_on_eos:
-                emitted = _cut_at_eos(emitted, eos)
-            emitted = emitted[: cfg.max_new_tokens - produced]
-            stats.record(len(proposal.tokens), verdict.accepted_len, len(emitted))
-            stats.draft_s += t1 - t0
-            stats.target_s += t2 - t1
-            context += emitted
-            produced += len(emitted)
-            if reads_features:  # the features of the positions that became context: all but the newest token
-                first = len(target) - len(computed)
-                draft.observe_features(first, target.features[: len(context) - 1 - first])
-            yield emitted
-            if cfg.stop_on_eos and emitted[-1] in eos:
-                return
-
-
-def _cut_at_eos(tokens: list[int], eos_token_ids: set[int]) -> list[int]:
-    for i, token in enumerate(tokens):
-        if token in eos_token_ids:
-            return tokens[: i + 1]
-    return tokens
+            #    if all are accepted, add a bonus token from the target (settle.py).
+            yield settle(request, proposal, target_logits, draft_s=t1 - t0, target_s=t2 - t1)
