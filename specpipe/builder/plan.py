@@ -28,6 +28,7 @@ from specpipe.builder.trtllm import (
 )
 from specpipe.builder.config import BuildConfig, TrtllmBackend
 from specpipe.checkpoint.eagle3 import read_eagle3_head
+from specpipe.drafts import kind_of
 from specpipe.checkpoint.facts import ModelShape, resolve_shape
 from specpipe.config import MAX_SEQ_LEN
 from specpipe.contract.decoding import schedule_text
@@ -41,7 +42,6 @@ SHARED_KV_FRACTION = 0.45  # each of two models on one GPU: whichever loads firs
 ALONE_KV_FRACTION = 0.9  # tensorrtllm_backend's default (docs/model_config.md)
 TP_CANDIDATES = (1, 2, 4, 8)  # one 8-GPU node: tensor parallelism wants NVLink between its ranks
 PLAN_JSON = "gpu_plan.json"
-NGRAM_DRAFT = "ngram"  # --draft ngram: prompt lookup, as the CPU build's BuildConfig.draft_kind
 SERVE_CONFIG = "trtllm-serve.yaml"  # llmapi flow: trtllm-serve's --extra_llm_api_options file, in the work folder
 
 
@@ -103,11 +103,16 @@ class Plan(_Frozen):
         return sorted({need for step in self.steps for need in step.needs})
 
 
+def _prompt_lookup(cfg: BuildConfig) -> bool:
+    return kind_of(cfg.draft[0]).name == "ngram"
+
+
 def make_plan(cfg: BuildConfig) -> Plan:
     """Check the request against the models, the upstream tools and the GPU memory, then lay out the steps."""
-    ngram = cfg.draft[0] == NGRAM_DRAFT
+    kind = kind_of(cfg.draft[0]).name  # the draft kinds' registry names --draft (a speculators-format head: refused)
+    ngram = kind == "ngram"
     target = resolve_shape(cfg.target)
-    head = None if ngram else read_eagle3_head(cfg.draft[0])  # refuses a speculators-format head in one line
+    head = read_eagle3_head(cfg.draft[0]) if kind == "eagle3" else None
     draft = None if ngram else resolve_shape(cfg.draft[0])
     # an EAGLE-3 head has no tokenizer of its own: it reads the target's hidden states, not its tokens
     notes = _check_pair(cfg.target, cfg.draft[0]) if draft is not None and head is None else []
@@ -385,7 +390,7 @@ def _resolve_steps(cfg: BuildConfig, work: Path) -> list[Step]:
     from specpipe.checkpoint import get_alias
 
     steps = []
-    for role, spec in (("target", cfg.target), ("draft", cfg.draft[0]))[: 1 if cfg.draft[0] == NGRAM_DRAFT else 2]:
+    for role, spec in (("target", cfg.target), ("draft", cfg.draft[0]))[: 1 if _prompt_lookup(cfg) else 2]:
         facts = get_alias(spec)
         steps.append(
             Step(
@@ -587,7 +592,7 @@ def _kv_fraction(cfg: BuildConfig) -> float:
     """Each model's share of free GPU memory for its KV cache: half each when the draft shares the GPU."""
     if cfg.backend.kv_cache_free_gpu_mem_fraction is not None:
         return cfg.backend.kv_cache_free_gpu_mem_fraction
-    return SHARED_KV_FRACTION if cfg.backend.draft_placement == "shared" and cfg.draft[0] != NGRAM_DRAFT else ALONE_KV_FRACTION
+    return SHARED_KV_FRACTION if cfg.backend.draft_placement == "shared" and not _prompt_lookup(cfg) else ALONE_KV_FRACTION
 
 
 def _draft_job(jobs: list[ModelJob]) -> Optional[ModelJob]:
