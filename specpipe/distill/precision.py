@@ -18,6 +18,11 @@ import torch
 
 PROBE_SECONDS = 1.0  # per candidate, after one untimed warm-up call
 PROBE_MIN_ROUNDS, PROBE_MAX_ROUNDS = 3, 9
+# A warm-up this many times the fastest candidate's (and over PROBE_SECONDS) is an emulated precision (5-30x
+# slower): it is measured by that one call instead of being run again. A warm-up merely slower (a first bf16
+# call creates its oneDNN kernels; a loaded machine) is not a measurement: on a loaded Zen 4 it measured bf16
+# below fp32 (2 vs 3 tokens/s) where bf16 then ran the teacher at 142 answer tokens/s.
+EMULATED_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -66,18 +71,22 @@ def compare(calls: dict, device: torch.device, seconds: float = PROBE_SECONDS) -
     """Tokens/s of each call (name -> call returning the tokens it processed), medians of calls taken in
     turn (A B A B ...), so a machine whose speed drifts (other jobs, turbo) shifts all alike.
 
-    Each call runs once untimed first; one that took longer than `seconds` (an emulated precision) is
-    not run again: its first call is its measurement."""
+    Each call runs once first, untimed (kernel creation, caches). A call whose first run took EMULATED_FACTOR
+    times the fastest one's and over `seconds` (an emulated precision) is not run again: that run is its
+    measurement. The others take turns: at least PROBE_MIN_ROUNDS rounds, or one when a call is longer than
+    `seconds`, until each had about `seconds`."""
+    first = {name: _timed(call, device) for name, call in calls.items()}
+    fastest = min(dt for _, dt in first.values())
     rates: dict = {name: [] for name in calls}
     repeat = []
-    for name, call in calls.items():
-        tokens, dt = _timed(call, device)
-        if dt >= seconds:
+    for name, (tokens, dt) in first.items():
+        if dt >= seconds and dt >= EMULATED_FACTOR * fastest:
             rates[name].append(tokens / dt)
         else:
             repeat.append(name)
+    min_rounds = 1 if any(first[name][1] >= seconds for name in repeat) else PROBE_MIN_ROUNDS
     spent, rounds = 0.0, 0
-    while repeat and rounds < PROBE_MAX_ROUNDS and (rounds < PROBE_MIN_ROUNDS or spent < seconds * len(repeat)):
+    while repeat and rounds < PROBE_MAX_ROUNDS and (rounds < min_rounds or spent < seconds * len(repeat)):
         for name in repeat:
             tokens, dt = _timed(calls[name], device)
             spent += dt
