@@ -426,22 +426,41 @@ def test_a_full_batch_refuses_another_row(pair):
 
 def batch_outputs(scheduler, prompts, cfgs, stagger=False):
     """Run the prompts through the scheduler, each read on its own thread; with `stagger`, request i is
-    sent only after request i-1 has produced tokens, so requests join a batch already running."""
+    sent only after request i-1 has produced tokens, so requests join a batch already running.
+
+    The order is the test's, not the threads' timing: after each scheduling step in which a running request has
+    produced tokens, the scheduler waits until the next request has been sent. Without that hold a fast engine
+    (or a loaded machine) finished request i-1 before request i arrived, the batch never held two rows, and
+    the planted-bug tests that need two rows passed their bugs (seen under the CPU hog)."""
     outputs, stats = [None] * len(prompts), [SpecStats() for _ in prompts]
     started = [threading.Event() for _ in prompts]
+    sent = [threading.Event() for _ in prompts]
+    if stagger:
+        step = scheduler.step
+
+        def step_then_hold():
+            step()
+            waiting = next((i for i, event in enumerate(sent) if not event.is_set()), None)
+            if waiting is not None and any(r.produced > 0 for r in scheduler.running):
+                sent[waiting].wait(30)
+
+        scheduler.step = step_then_hold
 
     def read(i):
         if stagger and i:
             started[i - 1].wait(30)
         tokens = []
         try:
-            for step in scheduler.decode(prompts[i], cfgs[i], stats[i]):
+            stream = scheduler.decode(prompts[i], cfgs[i], stats[i])
+            sent[i].set()
+            for step in stream:
                 tokens += step
                 started[i].set()
             outputs[i] = tokens
         except Exception:  # a failed request leaves None (planted bugs may crash instead of mismatching)
             pass
         finally:
+            sent[i].set()
             started[i].set()
 
     threads = [threading.Thread(target=read, args=(i,)) for i in range(len(prompts))]
