@@ -156,7 +156,7 @@ def test_auto_build_deploys_the_measured_choice_and_records_every_measurement(mo
     """int4-wo planted over budget and fastest, VNNI-like costs: the build deploys int8-wo, keeps fp32 beside it,
     removes int4-wo, and the manifest records every precision's accuracy, step times and the reason."""
     from specpipe.builder import build
-    from specpipe.contract.manifest import read_manifest
+    from specpipe.drafts import read_manifest
 
     monkeypatch.setattr("specpipe.quantize.accuracy.measure_accuracy", _planted_accuracy({"int4-wo"}))
     monkeypatch.setattr("specpipe.builder.cpu.measure_precisions", _planted_speeds(VNNI))
