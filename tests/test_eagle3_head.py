@@ -221,6 +221,73 @@ def test_verdict_times_the_engines_that_will_run(trained_head):
     assert verdict["agreement"] == pytest.approx(trained_head.record["held_out_chain"]["conditional"][0], abs=1e-4)
 
 
+def test_verdict_predicts_against_each_target_precision(trained_head, eight_layer_target):
+    """A quantized target steps faster and the head does not, so the verdict times the target at every precision it
+    is asked for, leads with the least prediction and names the others."""
+    from specpipe.distill.verdict import measured_verdict, verdict_line
+
+    v = measured_verdict(0.5, eight_layer_target, threads=1, head=trained_head.path, feature_layers=(1, 3, 4),
+                         quants=("none", "int8-wo"))
+    by_quant = v["by_target_quant"]
+    assert set(by_quant) == {"none", "int8-wo"}
+    for quant, one in by_quant.items():
+        assert one["target_quant"] == quant and one["step_ms"]["target_step_ms"] > 0
+        assert one["step_costs"]["draft"] == pytest.approx(one["step_ms"]["draft_step_ms"] / one["step_ms"]["target_step_ms"],
+                                                           rel=1e-2, abs=1e-3)
+    assert v["predicted_speedup"] == min(one["predicted_speedup"] for one in by_quant.values())
+    assert "int8-wo" in by_quant["int8-wo"]["measured_with"] and "fp32" in by_quant["none"]["measured_with"]
+    line = verdict_line(v)
+    other = "fp32" if v["target_quant"] == "int8-wo" else "int8-wo"
+    assert f"against the {'int8-wo' if v['target_quant'] == 'int8-wo' else 'fp32'} target" in line and other in line
+
+
+def test_verdict_exports_the_target_at_the_precision_build_makes(eight_layer_target, tmp_path):
+    """The verdict's int8-wo target is build's: MatMulNBits weights (quantize/weight_only.BUILDER_RECIPES), and it
+    still outputs the head's features."""
+    import onnx
+
+    from specpipe.distill.verdict import export_engine
+    from specpipe.engines.base import read_engine_meta
+
+    out = export_engine(eight_layer_target, tmp_path / "int8", feature_layers=(1, 3, 4), quant="int8-wo")
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    assert any(node.op_type == "MatMulNBits" for node in graph.node)
+    assert "aux_hidden_states" in [o.name for o in graph.output]
+    assert read_engine_meta(out)["quant"] == "int8-wo"
+    with pytest.raises(ValueError, match="fp8"):
+        export_engine(eight_layer_target, tmp_path / "fp8", quant="fp8")
+
+
+def test_init_head_trains_a_written_head_further(trained_head, eight_layer_target, tmp_path, monkeypatch):
+    """--init-head starts from every tensor of a written head, its draft vocabulary included (its d2t, not one
+    counted from this run's data), and a head for other target layers is refused in one line."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from specpipe.distill import distill
+    from specpipe.distill.eagle3 import load_head_weights, make_head
+    from specpipe.errors import UsageError
+
+    written = load_file(str(trained_head.path / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(eight_layer_target).eval()
+    fresh = make_head(model, feature_layers=(1, 3, 4), draft_token_ids=torch.arange(96), warm_start=True, seed=5)
+    load_head_weights(fresh, trained_head.path)
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, written[name].to(tensor.dtype)), name
+    other = make_head(model, feature_layers=(1, 2, 4), draft_token_ids=torch.arange(96), warm_start=True, seed=5)
+    with pytest.raises(UsageError, match="target layers"):
+        load_head_weights(other, trained_head.path)
+
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "cache"))
+    result = distill(_cfg(eight_layer_target, tmp_path / "further", init_head=trained_head.path, head_vocab=64,
+                          train_tokens=2000))
+    assert result.record["training"]["init_head"] == str(trained_head.path)
+    assert result.record["draft"]["draft_vocab_size"] == 96  # the loaded head's, not --head-vocab's
+    further = load_file(str(result.path / "model.safetensors"))
+    assert torch.equal(further["d2t"], written["d2t"]) and torch.equal(further["t2d"], written["t2d"])
+    assert not torch.equal(further["fc.weight"], written["fc.weight"].to(further["fc.weight"].dtype))  # it trained
+
+
 def test_writer_refuses_an_embedding_or_a_missing_key(tmp_path):
     from specpipe.checkpoint.eagle3 import write_eagle3_head
     from specpipe.engines import upstream

@@ -48,6 +48,10 @@ def _option(name: str, **kwargs):
 @_option("--ttt-decay", type=float)
 @click.option("--warm-start/--no-warm-start", default=field_default(DistillConfig, "warm_start"), show_default=True,
               help=field_help(DistillConfig, "warm_start"))
+@click.option("--verdict-quant", multiple=True, type=click.Choice(["none", "int8-wo", "int4-wo"]),
+              default=field_default(DistillConfig, "verdict_quant"), show_default=True,
+              help=field_help(DistillConfig, "verdict_quant") + " (repeatable)")
+@click.option("--init-head", type=click.Path(path_type=Path), default=None, help=field_help(DistillConfig, "init_head"))
 @click.option("--resume", is_flag=True, help=field_help(DistillConfig, "resume"))
 @click.option("--force", is_flag=True, help=field_help(DistillConfig, "force"))
 @click.option("--json", "as_json", is_flag=True, help="Print the distillation record as JSON when done.")
@@ -75,6 +79,7 @@ def distill(as_json: bool, data, **options) -> None:
     from specpipe.distill.verdict import verdict_line
 
     layers = options.pop("feature_layers")
+    options["verdict_quant"] = list(options["verdict_quant"])
     cfg = make_config(DistillConfig, data=list(data), **options,
                       feature_layers=[int(i) for i in layers.split(",")] if layers else None)
     progress = RichDistillProgress()

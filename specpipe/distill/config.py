@@ -77,6 +77,10 @@ class DistillConfig(Strict):
     resume: bool = Field(False, description="continue a stopped run from OUT's saved training state")
     force: bool = Field(False, description="replace an existing OUT")
     threads: Threads = Field(THREADS, description="torch threads")
+    verdict_quant: list[Literal["none", "int8-wo", "int4-wo"]] = Field(
+        ["none"], min_length=1, description="target precisions the closing verdict times the target at (build's --quant "
+        "modes, none = fp32): a quantized target steps faster, the draft does not; give the ones build will consider"
+    )
     # ---- --kind: what is trained (specpipe/distill/eagle3.py for eagle3) ----
     kind: Literal["model", "eagle3"] = Field(
         "model", description="model: a small Llama draft (its own layers and embedding); eagle3: an EAGLE-3 head that "
@@ -90,6 +94,10 @@ class DistillConfig(Strict):
     ttt_steps: int = Field(3, ge=1, le=16, description="eagle3: training-time test, steps the head is unrolled on its own states")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3: loss weight of unrolled step k is decay^k (normalized)")
     warm_start: bool = Field(True, description="eagle3: start lm_head rows, final norm and MLP from the target's")
+    init_head: Optional[Path] = Field(
+        None, description="eagle3: start from this head's weights (upstream's EAGLE-3 format, made for the same target "
+        "and feature layers; its draft vocabulary is kept) and train it further on a new budget"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -111,7 +111,7 @@ def run_curve(cfg, *, kinds: tuple[str, ...], points: int, first_tokens: int, mo
     reuses the teacher pass, splits it by prompt, then trains each kind in `kinds` over the same data."""
     from specpipe.checkpoint.draft_vocab import count_tokens, top_token_ids
     from specpipe.distill.config import DISTILL_KIND_DEFAULTS
-    from specpipe.distill.eagle3 import make_head
+    from specpipe.distill.eagle3 import head_vocab_size, load_head_weights, make_head
     from specpipe.distill.eagle3_run import _write_head, split_by_prompt
     from specpipe.distill.eagle3_train import HeadTrainer
     from specpipe.distill.precision import choose_precision
@@ -140,9 +140,13 @@ def run_curve(cfg, *, kinds: tuple[str, ...], points: int, first_tokens: int, mo
         marks = milestones(budget, points, first_tokens)
         if kind == "eagle3":
             counts = count_tokens(train_set, model.config.vocab_size)
-            vocab_ids = torch.as_tensor(top_token_ids(counts, cfg.head_vocab, always=eos_ids))
+            vocab_size = head_vocab_size(cfg.init_head) if cfg.init_head is not None else cfg.head_vocab
+            vocab_ids = torch.as_tensor(top_token_ids(counts, vocab_size, always=eos_ids))
             student = make_head(model, feature_layers=layers, draft_token_ids=vocab_ids, warm_start=cfg.warm_start,
-                                seed=cfg.seed).to(device)
+                                seed=cfg.seed)
+            if cfg.init_head is not None:
+                load_head_weights(student, cfg.init_head)
+            student = student.to(device)
             trainer = HeadTrainer(student, train_set, steps=cfg.ttt_steps, decay=cfg.ttt_decay, budget_s=1e9,
                                   lr=cfg.lr, batch_tokens=cfg.batch_tokens, negatives=cfg.negatives, seed=cfg.seed,
                                   state_path=state_dir / "head.pt", checkpoint_every=10**9)
@@ -157,8 +161,11 @@ def run_curve(cfg, *, kinds: tuple[str, ...], points: int, first_tokens: int, mo
         trainer.dtype = choose_precision("train", cfg.train_dtype, device, trainer.probe,
                                          options=["float32", "bfloat16"]).dtype
         log(f"{kind}: {sum(p.numel() for p in student.parameters()):,} weights, {trainer.dtype}, marks {marks}")
+        if kind == "eagle3" and cfg.init_head is not None:  # where the loaded head starts, on this held-out set
+            log(json.dumps({"kind": kind, "tokens": 0, "init_head": str(cfg.init_head), **evaluate().summary()}))
         run = train_with_curve(kind, trainer, evaluate, marks, on_point=lambda p: log(json.dumps(p)))
-        run.label = (f"EAGLE-3 head, TTT {cfg.ttt_steps}" if kind == "eagle3"
+        run.label = (f"EAGLE-3 head, TTT {cfg.ttt_steps}" + (f", from {Path(cfg.init_head).name}" if cfg.init_head else "")
+                     if kind == "eagle3"
                      else f"{cfg.layers}-layer model draft")
         runs.append(run)
         if kind == "eagle3" and save_head is not None:  # the last point's weights, in upstream's head format
@@ -198,12 +205,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     @click.option("--ttt-steps", type=int, default=None, help="the head's training-time test steps (default: DistillConfig's)")
     @click.option("--train-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
     @click.option("--threads", type=int, default=None, help="torch threads (default: DistillConfig's)")
+    @click.option("--init-head", type=click.Path(exists=True, path_type=Path), default=None,
+                  help="start the head from this one's weights (train it further on a new budget)")
     @click.option("--save-head", type=click.Path(path_type=Path), default=None,
                   help="write the head's final weights here (upstream's EAGLE-3 format, as distill does)")
     @click.option("--replot", type=click.Path(exists=True, path_type=Path), multiple=True,
                   help="no training: the runs of earlier --json files, in one plot and table")
     def command(target, answer_tokens, train_tokens, model_train_tokens, points, first_tokens, kinds, minutes, plot_path,
-                json_path, work, lr, batch_tokens, ttt_steps, train_dtype, threads, save_head, replot):
+                json_path, work, lr, batch_tokens, ttt_steps, train_dtype, threads, init_head, save_head, replot):
         try:
             if replot:
                 parts = [json.loads(p.read_text()) for p in replot]
@@ -212,7 +221,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 cfg = DistillConfig(target=target, out=work, kind="eagle3", answer_tokens=answer_tokens,
                                     train_tokens=train_tokens, minutes=minutes, force=True, train_dtype=train_dtype,
                                     **({"threads": threads} if threads else {}),
-                                    lr=lr, batch_tokens=batch_tokens, **({"ttt_steps": ttt_steps} if ttt_steps else {}))
+                                    lr=lr, batch_tokens=batch_tokens, **({"ttt_steps": ttt_steps} if ttt_steps else {}),
+                                    init_head=init_head)
                 result = run_curve(cfg, kinds=tuple(kinds.split(",")), points=points, first_tokens=first_tokens,
                                    model_train_tokens=model_train_tokens, save_head=save_head,
                                    log=lambda m: click.echo(m, err=True))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -245,6 +246,45 @@ def make_head(target, *, feature_layers: Sequence[int], draft_token_ids: torch.T
             for name in ("gate_proj", "up_proj", "down_proj"):
                 getattr(head.midlayer.mlp, name).weight.copy_(getattr(last.mlp, name).weight.detach().float())
     return head
+
+
+def head_vocab_size(folder: Path) -> int:
+    """The draft vocabulary size of the head written in `folder` (its config.json), for --init-head."""
+    from specpipe.checkpoint.eagle3 import read_eagle3_head
+    from specpipe.errors import UsageError
+
+    info = read_eagle3_head(str(folder))
+    if info is None or not info.draft_vocab_size:
+        raise UsageError(f"--init-head: {folder} is not an EAGLE-3 head with a draft vocabulary (config.json naming "
+                         "LlamaForCausalLMEagle3 and draft_vocab_size)")
+    return info.draft_vocab_size
+
+
+def load_head_weights(head: Eagle3HeadModule, folder: Path) -> None:
+    """Continue from a written head (upstream's format, checkpoint/eagle3.py): its every tensor, its draft vocabulary
+    included, replaces `head`'s. Refused in one line when it was made for another shape (target width, feature
+    layers, draft vocabulary size): such a head cannot read this target's features."""
+    from safetensors.torch import load_file
+
+    from specpipe.checkpoint.eagle3 import WEIGHTS_FILE, read_eagle3_head
+    from specpipe.errors import UsageError
+
+    info = read_eagle3_head(str(folder))
+    if info is None or not (Path(folder) / WEIGHTS_FILE).is_file():
+        raise UsageError(f"--init-head: {folder} is not an EAGLE-3 head (config.json naming LlamaForCausalLMEagle3 + "
+                         f"{WEIGHTS_FILE})")
+    if info.layers_to_capture is not None and tuple(info.layers_to_capture) != tuple(head.shape.feature_layers):
+        raise UsageError(f"--init-head: {folder} reads target layers {list(info.layers_to_capture)}, this run "
+                         f"{list(head.shape.feature_layers)}")
+    tensors = load_file(str(Path(folder) / WEIGHTS_FILE))
+    own = head.state_dict()
+    wrong = [name for name in own if name not in tensors or tuple(tensors[name].shape) != tuple(own[name].shape)]
+    if wrong:
+        raise UsageError(f"--init-head: {folder} does not fit this target's head (first mismatch: {wrong[0]}, "
+                         f"{tuple(tensors[wrong[0]].shape) if wrong[0] in tensors else 'missing'} vs "
+                         f"{tuple(own[wrong[0]].shape)})")
+    with torch.no_grad():
+        head.load_state_dict({name: tensors[name].to(own[name].dtype) for name in own}, strict=True)
 
 
 def step_weights(steps: int, decay: float) -> list[float]:

@@ -40,7 +40,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
 
     from specpipe.checkpoint.draft_vocab import count_tokens, top_token_ids
     from specpipe.distill.acceptance import head_chain_hits
-    from specpipe.distill.eagle3 import make_head
+    from specpipe.distill.eagle3 import head_vocab_size, load_head_weights, make_head
     from specpipe.distill.eagle3_train import HeadTrainer
     from specpipe.distill.run import STATE_DIR, DistillResult, _eos_ids, _teacher_data, open_target, set_train_precision
     from specpipe.export.features import check_layers, default_layers
@@ -61,9 +61,15 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress, device, precision, feature_layers=layers)
     train_set, held_out = split_by_prompt(sequences)
     counts = count_tokens(train_set, model.config.vocab_size)
-    vocab_ids = top_token_ids(counts, cfg.head_vocab, always=eos_ids)
+    # --init-head keeps that head's draft vocabulary (sized here, its ids loaded below)
+    vocab_size = head_vocab_size(cfg.init_head) if cfg.init_head is not None else cfg.head_vocab
+    vocab_ids = top_token_ids(counts, vocab_size, always=eos_ids)
     head = make_head(model, feature_layers=layers, draft_token_ids=torch.as_tensor(vocab_ids), warm_start=cfg.warm_start,
-                     seed=cfg.seed).to(device)
+                     seed=cfg.seed)
+    if cfg.init_head is not None:  # train further: its weights and its draft vocabulary, not this data's
+        load_head_weights(head, cfg.init_head)
+        vocab_ids = head.draft_to_target(torch.arange(head.shape.draft_vocab_size)).numpy()
+    head = head.to(device)
 
     state_path = out / STATE_DIR / "state.pt"
     if cfg.force and out.is_dir() and not cfg.resume:
@@ -100,6 +106,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
         "training": {"steps": state.step, "seconds": round(state.elapsed_s, 1), "tokens_seen": state.tokens_seen,
                      "epochs": round(state.tokens_seen / max(1, sum(len(s) for s in train_set)), 2),
                      "ttt_steps": cfg.ttt_steps, "ttt_decay": cfg.ttt_decay, "warm_start": cfg.warm_start,
+                     "init_head": str(cfg.init_head) if cfg.init_head else None,
                      "final_loss": round(state.recent_loss, 4), "history": state.history},
         # Step-0 agreement with the target's greedy token on held-out prompts, of the weights kept (the best seen).
         "held_out_agreement": best[0] if best else None,
@@ -123,7 +130,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
 
         progress.log("timing the target (ONNX Runtime) and the head (its CPU engine) for the verdict")
         record["verdict"] = {**measured_verdict(acceptance or 0.0, target.path, threads=cfg.threads, head=folder,
-                                                feature_layers=layers),
+                                                feature_layers=layers, quants=cfg.verdict_quant),
                              "agreement_on": "held-out answers, position 1" if chain else "no held-out answers"}
         progress.log(verdict_line(record["verdict"]))
 

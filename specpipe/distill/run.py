@@ -341,7 +341,8 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
 
     def judge(folder: Path) -> None:  # the written draft, exported and timed as an engine beside the target
         progress.log("timing the target and the draft as ONNX Runtime engines for the verdict")
-        record["verdict"] = {**measured_verdict(acceptance, target.path, threads=cfg.threads, draft=folder),
+        record["verdict"] = {**measured_verdict(acceptance, target.path, threads=cfg.threads, draft=folder,
+                                                quants=cfg.verdict_quant),
                              "agreement_on": measured_on}
         progress.log(verdict_line(record["verdict"]))
 

@@ -5,12 +5,15 @@ costs of the two models, the adaptive-K model (speculative/adaptive.py: Leviatha
 per-verified-token cost) predicts the speedup.
 
 The costs are those of the engines that will run, measured here: the target exported as `build` exports it
-(onnxruntime-genai's builder graph, fp32) and timed in ONNX Runtime; an EAGLE-3 head timed as the CPU engine
-that drafts with it (engines/eagle3_head.py); a model draft exported and timed like the target. torch's own
-steps misled: a distilled draft measured 0.257 of a target step in torch and 0.019 as the built engine, so
-torch predicted 0.98x for a draft that ran at 1.38x. `build` may still quantize the target or the draft and
-slice the draft's head, which makes its steps cheaper than the fp32 engines timed here: the verdict says so.
-When an engine cannot be made here, the verdict says it cannot predict and why.
+(onnxruntime-genai's builder graph) at each target precision the run names (`--verdict-quant`: fp32, int8-wo,
+int4-wo, the modes `build --quant` makes, by the same recipes) and timed in ONNX Runtime; an EAGLE-3 head timed as
+the CPU engine that drafts with it (engines/eagle3_head.py); a model draft exported and timed like an fp32 target.
+torch's own steps misled: a distilled draft measured 0.257 of a target step in torch and 0.019 as the built engine,
+so torch predicted 0.98x for a draft that ran at 1.38x. The target's precision matters as much: a quantized target
+steps faster while the head's step does not, so the same head that pays against an fp32 target may not against an
+int8-wo one (the 2026-11-24 demo: the head 1.00x against the int8-wo target `--quant auto` chose). So the verdict
+predicts once per precision and names the least of them. When an engine cannot be made here, the verdict says it
+cannot predict and why.
 """
 
 from __future__ import annotations
@@ -26,39 +29,50 @@ CONTEXT_TOKENS = 64
 VERIFY_TOKENS = 8
 MAX_DRAFT_LEN = 16
 REPEATS = 20
-MEASURED_WITH = ("ONNX Runtime engines exported here (fp32 target{draft}); build may quantize them and slice the "
-                 "draft's head, which only makes steps cheaper")
+MEASURED_WITH = ("ONNX Runtime engines exported here ({quant} target{draft}); build may also quantize a model draft "
+                 "and slice its head, which only makes the draft's steps cheaper")
+QUANT_NAMES = {"none": "fp32"}  # a target precision as the verdict names it; others by their --quant mode
 
 
-def export_engine(checkpoint: Path, out: Path, *, feature_layers: Sequence[int] = ()) -> Path:
-    """`checkpoint` as `build` exports a target (the model builder's fp32 graph, feature outputs when asked), in
-    `out`, ready for engines.load_engine."""
+def export_engine(checkpoint: Path, out: Path, *, feature_layers: Sequence[int] = (), quant: str = "none") -> Path:
+    """`checkpoint` as `build` exports a target (the model builder's graph, feature outputs when asked) at `quant`
+    (none = fp32, or a weight-only mode by build's own recipe, quantize/weight_only.BUILDER_RECIPES), in `out`,
+    ready for engines.load_engine."""
     from specpipe.checkpoint import inspect_checkpoint
     from specpipe.checkpoint.facts import CONTEXT_LENGTH_UNSAID
     from specpipe.config import MAX_SEQ_LEN
+    from specpipe.contract.quant import QuantConfig
     from specpipe.engines.onnxruntime import write_engine_meta
     from specpipe.engines.shared_kv import KV_LAYOUT
     from specpipe.export.ortgenai_builder import run_model_builder
+    from specpipe.quantize.weight_only import BUILDER_RECIPES
 
     info = inspect_checkpoint(checkpoint)
-    run_model_builder(checkpoint, out, "fp32", out / "cache", feature_layers=list(feature_layers) or None)
+    if quant == "none":
+        run_model_builder(checkpoint, out, "fp32", out / "cache", feature_layers=list(feature_layers) or None)
+    elif quant in BUILDER_RECIPES:
+        recipe = BUILDER_RECIPES[quant]
+        run_model_builder(checkpoint, out, recipe.precision, out / "cache", feature_layers=list(feature_layers) or None,
+                          extra_options=recipe.options(QuantConfig(mode=quant).group_size))
+    else:
+        raise ValueError(f"the verdict times targets at {', '.join(['none', *BUILDER_RECIPES])}, not {quant}")
     write_engine_meta(out, vocab_size=info.vocab_size, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
-                      head_dim=info.head_dim, quant="none", kv_layout=KV_LAYOUT,
+                      head_dim=info.head_dim, quant=quant, kv_layout=KV_LAYOUT,
                       max_seq_len=min(int(info.max_position_embeddings or CONTEXT_LENGTH_UNSAID), MAX_SEQ_LEN),
                       **({"feature_layers": list(feature_layers)} if feature_layers else {}))
     return out
 
 
 def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, head: Optional[Path] = None,
-                 feature_layers: Sequence[int] = ()) -> tuple[StepCosts, dict]:
-    """Step costs, as fractions of a target step, of the engines that will run: a model `draft` checkpoint, or an
-    EAGLE-3 `head` folder reading the target's `feature_layers`. Returns the costs and the milliseconds behind
-    them."""
+                 feature_layers: Sequence[int] = (), quant: str = "none") -> tuple[StepCosts, dict]:
+    """Step costs, as fractions of a step of the target at `quant`, of the engines that will run: a model `draft`
+    checkpoint, or an EAGLE-3 `head` folder reading the target's `feature_layers`. Returns the costs and the
+    milliseconds behind them."""
     from specpipe.engines import load_engine
     from specpipe.engines.timing import head_step_ms, step_ms
 
     with tempfile.TemporaryDirectory(prefix="specpipe-verdict-") as tmp:
-        target_dir = export_engine(target, Path(tmp) / "target", feature_layers=feature_layers)
+        target_dir = export_engine(target, Path(tmp) / "target", feature_layers=feature_layers, quant=quant)
         engine = load_engine(target_dir, threads=threads)
         one = step_ms(engine, 1, context_len=CONTEXT_TOKENS, repeats=REPEATS)
         many = step_ms(engine, 1 + VERIFY_TOKENS, context_len=CONTEXT_TOKENS, repeats=REPEATS)
@@ -75,28 +89,39 @@ def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, he
                    "draft_step_ms": round(draft_ms, 3)}
 
 
-def verdict(agreement: float, costs: StepCosts, *, kind: str = "model", timings: Optional[dict] = None) -> dict:
+def verdict(agreement: float, costs: StepCosts, *, kind: str = "model", timings: Optional[dict] = None,
+            quant: str = "none") -> dict:
     """agreement: the draft's greedy agreement with the target, standing in for the acceptance rate."""
     k = best_draft_length(agreement, costs, MAX_DRAFT_LEN)
     draft = ", the EAGLE-3 head as its torch CPU engine" if kind == "eagle3" else ", fp32 draft"
-    return {"agreement": round(agreement, 4), "step_costs": {k_: round(v, 4) for k_, v in costs.as_dict().items()},
+    return {"agreement": round(agreement, 4), "target_quant": quant,
+            "step_costs": {k_: round(v, 4) for k_, v in costs.as_dict().items()},
             "best_k": k, "predicted_speedup": round(expected_speedup(k, agreement, costs), 3),
             **({"step_ms": timings} if timings else {}),
-            "measured_with": MEASURED_WITH.format(draft=draft)}
+            "measured_with": MEASURED_WITH.format(quant=QUANT_NAMES.get(quant, quant), draft=draft)}
 
 
 def measured_verdict(agreement: float, target: Path, *, threads: int, draft: Optional[Path] = None,
-                     head: Optional[Path] = None, feature_layers: Sequence[int] = ()) -> dict:
-    """The verdict with the engines' costs measured here, or, when an engine cannot be made, a verdict that says
-    it cannot predict and why (agreement kept)."""
+                     head: Optional[Path] = None, feature_layers: Sequence[int] = (),
+                     quants: Sequence[str] = ("none",)) -> dict:
+    """The verdict with the engines' costs measured here, once per target precision in `quants`: the least
+    prediction leads (the build may pick any of them), each one under `by_target_quant`. When an engine cannot be
+    made, a verdict that says it cannot predict and why (agreement kept)."""
     from specpipe.errors import SpecpipeError
 
-    try:
-        costs, timings = engine_costs(target, threads=threads, draft=draft, head=head, feature_layers=feature_layers)
-    except (SpecpipeError, OSError, ValueError, RuntimeError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        return {"agreement": round(agreement, 4), "predicted_speedup": None, "cannot_predict": reason}
-    return verdict(agreement, costs, kind="eagle3" if head is not None else "model", timings=timings)
+    by_quant = {}
+    for quant in dict.fromkeys(quants):
+        try:
+            costs, timings = engine_costs(target, threads=threads, draft=draft, head=head, feature_layers=feature_layers,
+                                          quant=quant)
+        except (SpecpipeError, OSError, ValueError, RuntimeError) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            return {"agreement": round(agreement, 4), "predicted_speedup": None,
+                    "cannot_predict": f"{QUANT_NAMES.get(quant, quant)} target: {reason}"}
+        by_quant[quant] = verdict(agreement, costs, kind="eagle3" if head is not None else "model", timings=timings,
+                                  quant=quant)
+    least = min(by_quant.values(), key=lambda v: v["predicted_speedup"])
+    return {**least, "by_target_quant": by_quant} if len(by_quant) > 1 else least
 
 
 def verdict_line(v: dict) -> str:
@@ -105,8 +130,14 @@ def verdict_line(v: dict) -> str:
                 f"the speedup here ({v.get('cannot_predict', 'no engine costs')}): build measures it")
     speedup = v["predicted_speedup"]
     costs = v["step_costs"]
+    target = QUANT_NAMES.get(v.get("target_quant", "none"), v.get("target_quant"))
     line = (f"verdict: agreement {v['agreement']:.2f} on {v.get('agreement_on', 'held-out answers')}, predicted {speedup:.2f}x at K={v['best_k']} "
-            f"(draft step {costs['draft']:.3f}, verify {costs['verify_per_token']:.3f}/token of a target step, ONNX Runtime engines)")
+            f"against the {target} target (draft step {costs['draft']:.3f}, verify {costs['verify_per_token']:.3f}/token of a "
+            "target step, ONNX Runtime engines)")
+    others = [f"{QUANT_NAMES.get(q, q)} {o['predicted_speedup']:.2f}x" for q, o in (v.get("by_target_quant") or {}).items()
+              if q != v.get("target_quant")]
+    if others:
+        line += "; against " + ", ".join(others)
     if speedup < 1.0:
         line += ": slower than the target alone here; build will prefer another draft or none"
     return line
