@@ -14,10 +14,10 @@ from specpipe.contract.manifest import Manifest
 from specpipe.drafts import make_drafter, read_manifest
 from specpipe.drafts.eagle3 import head_drafter
 from specpipe.engines import Engine, load_engine
+from specpipe.engines.timing import head_step_ms, step_ms
 from specpipe.errors import EngineError
 from specpipe.speculative.batching import BatchScheduler
 from specpipe.speculative.drafters import Drafter
-from specpipe.speculative.eagle3 import DEFAULT_HEAD_DRAFT_COST
 from specpipe.speculative.generator import SpecGenerator
 
 
@@ -81,8 +81,10 @@ def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: boo
     target = load_engine(folder / manifest.target.engine.path, threads=threads, min_rows=manifest.target.min_rows_per_call)
     step_costs = manifest.step_costs
     if head is not None:
-        drafter = head_drafter(Path(head), target, folder / manifest.target.engine.path)
-        step_costs = StepCosts(DEFAULT_HEAD_DRAFT_COST, step_costs.verify_per_token) if step_costs else None
+        drafter = head_drafter(Path(head), target, folder / manifest.target.engine.path, dtype="measure")
+        # no build timed this head against this target: its step cost is timed here, as the build would
+        step_costs = (StepCosts(head_step_ms(drafter.head) / step_ms(target, 1), step_costs.verify_per_token)
+                      if step_costs else None)
     else:
         drafter = make_drafter(folder, manifest.draft, target, threads)
     overrides = {**({"max_batch_size": max_batch_size} if max_batch_size else {}),

@@ -57,6 +57,8 @@ def test_build_writes_the_head_and_its_manifest_entry(head_build, tiny_head):
     assert manifest.target.engine.graph == "genai"
     assert 0 < manifest.step_costs.draft != DEFAULT_HEAD_DRAFT_COST  # measured on this machine, not the default
     assert draft.path in manifest.deployment_paths()
+    # the head's dtype: each candidate timed here, the fastest kept
+    assert draft.head_dtype in draft.head_step_ms and draft.head_dtype == min(draft.head_step_ms, key=draft.head_step_ms.get)
     # the Triton repository carries the head with the deployment (the served model opens it with load_deployment)
     served = next((head_build.parent / "repo").rglob("manifest.json")).parent
     assert (served / draft.path / "model.safetensors").is_file()
@@ -69,6 +71,7 @@ def test_the_deployment_drafts_with_the_head(head_build):
     deployment = load_deployment(head_build, threads=1)
     assert isinstance(deployment.drafter, Eagle3Drafter)
     assert deployment.costs == deployment.manifest.step_costs
+    assert deployment.drafter.head.dtype == deployment.manifest.draft.head_dtype  # as the build timed it
 
 
 def test_generate_from_the_build_equals_the_target_alone(head_build):

@@ -180,19 +180,36 @@ def test_greedy_output_is_the_target_alone(target, good, k):
         assert base_stats.drafted == 0
 
 
-def test_a_bf16_head_computes_nearly_the_same_and_stays_lossless(markov, target, good):
-    """dtype bfloat16: the head's matrices in bf16, its logits within bf16 rounding of fp32's; decoding is exact."""
-    bf16 = drafter_for(markov, target, good.head.folder, dtype="bfloat16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_a_bf16_or_int8_head_computes_nearly_the_same_and_stays_lossless(markov, target, good, dtype):
+    """dtype bfloat16 (matrices in bf16) or int8 (torch's dynamically quantized Linear: int8 weights per channel,
+    activations per tensor): logits within a few percent of fp32's; decoding is exact either way."""
+    other = drafter_for(markov, target, good.head.folder, dtype=dtype)
+    assert other.head.dtype == dtype
     rows = np.random.default_rng(0).standard_normal((5, good.head.feature_width)).astype(np.float32)
-    (full, _), (half, _) = (d.head.context_rows(d.head.new_cache(), [5, 6, 7, 8, 9], rows) for d in (good, bf16))
+    (full, _), (half, _) = (d.head.context_rows(d.head.new_cache(), [5, 6, 7, 8, 9], rows) for d in (good, other))
     assert np.abs(full - half).max() <= 0.05 * np.abs(full).max()
-    decoder, alone = SpeculativeDecoder(target, bf16), SpeculativeDecoder(target, None)
+    decoder, alone = SpeculativeDecoder(target, other), SpeculativeDecoder(target, None)
     for prompt in PROMPTS:
         spec, _ = greedy(decoder, prompt, 3)
         base, _ = greedy(alone, prompt, 3, speculative=False)
         divergence = compare_greedy(target, prompt, spec, base, near_tie_tolerance("none"))
         assert divergence is None or divergence.near_tie, divergence
-    assert acceptance(target, bf16) > 0.6
+    assert acceptance(target, other) > 0.6
+
+
+def test_the_head_dtype_is_the_fastest_timed(markov, good, monkeypatch):
+    """fastest_head_dtype times every dtype torch runs here and keeps the least median (timings replaced by a
+    fixed table: which dtype is fastest is the machine's business, the choice rule is ours)."""
+    from specpipe.engines import eagle3_head
+    from specpipe.engines.eagle3_head import HEAD_DTYPES, fastest_head_dtype, target_embedding
+
+    table = {"float32": 3.0, "bfloat16": 1.0, "int8": 2.0}
+    monkeypatch.setattr("specpipe.engines.timing.head_step_ms", lambda head, **_: table[head.dtype])
+    dtype, ms = fastest_head_dtype(good.head.folder, target_embedding(markov.engine), rounds=2)
+    assert set(ms) == set(HEAD_DTYPES) and dtype == "bfloat16" and ms == table
+    with pytest.raises(eagle3_head.EngineError, match="float16"):
+        eagle3_head.head_dtype("float16")
 
 
 def test_head_predicts_the_target(target, good):

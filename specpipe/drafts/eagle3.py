@@ -4,6 +4,7 @@ target's own hidden states, so the target engine outputs the layers the head rea
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
@@ -35,6 +36,10 @@ class Eagle3Draft(DraftEntry):
     path: str = "draft"  # the head's folder (config.json, model.safetensors), relative to the build folder
     feature_layers: list[int]  # layer-output ids (export/features.py) the head reads
     draft_vocab_size: int  # the target tokens the head scores (its lm_head rows)
+    # the dtype its matrices run in, the fastest timed on the build machine (engines/eagle3_head.py
+    # fastest_head_dtype), with each candidate's ms per draft step; None (older builds): chosen by the CPU's flags
+    head_dtype: Optional[Literal["float32", "bfloat16", "int8"]] = None
+    head_step_ms: dict[str, float] = Field(default_factory=dict)
     files: dict[str, str] = Field(default_factory=dict, description="file name -> sha256")
     prediction: Optional[Prediction] = None
     policy: ClassVar = Eagle3Decoding
@@ -55,7 +60,7 @@ class Eagle3Kind(DraftKind):
 
     @classmethod
     def drafter(cls, folder, entry, target, threads):
-        return head_drafter(folder / entry.path, target, target.folder)
+        return head_drafter(folder / entry.path, target, target.folder, dtype=entry.head_dtype or "auto")
 
     @classmethod
     def build(cls, spec, out, ctx):
@@ -67,27 +72,45 @@ class Eagle3Kind(DraftKind):
             if (Path(spec) / name).is_file():
                 shutil.copy2(Path(spec) / name, out / name)
         head = read_eagle3_head(str(out))
+        dtype, ms = _time_head(out, ctx)
+        ctx.say(f"the head's draft step: {', '.join(f'{d} {t:.2f} ms' for d, t in ms.items())}; runs in {dtype}")
         return Eagle3Draft(kind="eagle3", source=spec, path=out.name, feature_layers=list(ctx.feature_layers),
                            draft_vocab_size=head.draft_vocab_size or ctx.target_entry.checkpoint.get("vocab_size"),
-                           files=file_hashes(out))
+                           head_dtype=dtype, head_step_ms=ms, files=file_hashes(out))
 
     @classmethod
     def describe(cls, entry):
-        return [f"EAGLE-3 head {entry.source}: reads target layers {entry.feature_layers}, scores {entry.draft_vocab_size} tokens"]
+        runs_in = f", runs in {entry.head_dtype} (fastest timed here)" if entry.head_dtype else ""
+        return [f"EAGLE-3 head {entry.source}: reads target layers {entry.feature_layers}, scores {entry.draft_vocab_size} "
+                f"tokens{runs_in}"]
 
 
-def head_drafter(head_folder: Path, target: Engine, target_folder: Path) -> Eagle3Drafter:
+def _time_head(folder: Path, ctx) -> tuple[str, dict[str, float]]:
+    """The head's dtype by measurement on this machine (engines/eagle3_head.py fastest_head_dtype)."""
+    from specpipe.engines.eagle3_head import fastest_head_dtype, target_embedding
+
+    t0 = time.perf_counter()
+    ctx.say("timing the head's draft step in each dtype")
+    choice = fastest_head_dtype(folder, target_embedding(ctx.stage / "target"), feature_layers=ctx.feature_layers)
+    ctx.timings["head_dtype_s"] = time.perf_counter() - t0
+    return choice
+
+
+def head_drafter(head_folder: Path, target: Engine, target_folder: Path, *, dtype: str = "auto") -> Eagle3Drafter:
     """An EAGLE-3 head (upstream's format) drafting for `target`, whose engine must output the head's feature
-    layers (export/features.py). The head reads the target's input embedding from the target's graph."""
-    from specpipe.engines.eagle3_head import Eagle3HeadEngine, check_pairing, target_embedding
+    layers (export/features.py). The head reads the target's input embedding from the target's graph. `dtype`:
+    what its matrices run in (a build records the fastest it timed; "auto" without one; "measure": time them now)."""
+    from specpipe.engines.eagle3_head import Eagle3HeadEngine, check_pairing, fastest_head_dtype, target_embedding
 
     info = read_eagle3_head(str(head_folder))
     if info is None:
         raise UsageError(f"--draft {head_folder} is not an EAGLE-3 head (config.json naming LlamaForCausalLMEagle3)")
     # A head that names no layers reads EAGLE-3's default ones (export/features.py), as upstream's loaders assume.
     layers = info.layers_to_capture or _default_feature_layers(target_folder)
-    head = Eagle3HeadEngine(head_folder, target_embedding(target_folder), dtype="auto",  # bf16 where the CPU has it
-                            feature_layers=layers)
+    embedding = target_embedding(target_folder)
+    if dtype == "measure":  # a head no build timed (generate/bench --draft HEAD): the fastest here
+        dtype, _ = fastest_head_dtype(head_folder, embedding, feature_layers=layers)
+    head = Eagle3HeadEngine(head_folder, embedding, dtype=dtype, feature_layers=layers)
     check_pairing(head, getattr(target, "feature_layers", ()), target.vocab_size, target_folder)
     return Eagle3Drafter(head, target.vocab_size)
 
