@@ -232,6 +232,7 @@ def test_verdict_predicts_against_each_target_precision(trained_head, eight_laye
     assert set(by_quant) == {"none", "int8-wo"}
     for quant, one in by_quant.items():
         assert one["target_quant"] == quant and one["step_ms"]["target_step_ms"] > 0
+        assert one["step_ms"]["head_dtype"] in ("float32", "bfloat16", "int8")  # the dtype build would run it in
         assert one["step_costs"]["draft"] == pytest.approx(one["step_ms"]["draft_step_ms"] / one["step_ms"]["target_step_ms"],
                                                            rel=1e-2, abs=1e-3)
     assert v["predicted_speedup"] == min(one["predicted_speedup"] for one in by_quant.values())

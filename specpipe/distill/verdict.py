@@ -69,7 +69,7 @@ def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, he
     checkpoint, or an EAGLE-3 `head` folder reading the target's `feature_layers`. Returns the costs and the
     milliseconds behind them."""
     from specpipe.engines import load_engine
-    from specpipe.engines.timing import head_step_ms, step_ms
+    from specpipe.engines.timing import step_ms
 
     with tempfile.TemporaryDirectory(prefix="specpipe-verdict-") as tmp:
         target_dir = export_engine(target, Path(tmp) / "target", feature_layers=feature_layers, quant=quant)
@@ -77,23 +77,25 @@ def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, he
         one = step_ms(engine, 1, context_len=CONTEXT_TOKENS, repeats=REPEATS)
         many = step_ms(engine, 1 + VERIFY_TOKENS, context_len=CONTEXT_TOKENS, repeats=REPEATS)
         if head is not None:
-            from specpipe.engines.eagle3_head import Eagle3HeadEngine, target_embedding
+            from specpipe.engines.eagle3_head import fastest_head_dtype, target_embedding
 
-            drafter = Eagle3HeadEngine(head, target_embedding(target_dir), dtype="auto", feature_layers=feature_layers)
-            draft_ms = head_step_ms(drafter, context_len=CONTEXT_TOKENS, repeats=REPEATS)
+            # the head in the dtype build will run it in: the fastest timed here (drafts/eagle3.py)
+            head_dtype, head_ms = fastest_head_dtype(head, target_embedding(target_dir), feature_layers=feature_layers)
+            draft_ms = head_ms[head_dtype]
         else:
             draft_ms = step_ms(load_engine(export_engine(draft, Path(tmp) / "draft"), threads=threads), 1,
                                context_len=CONTEXT_TOKENS, repeats=REPEATS)
     costs = StepCosts(draft=draft_ms / one, verify_per_token=max(many - one, 0.0) / VERIFY_TOKENS / one)
     return costs, {"target_step_ms": round(one, 3), f"target_{1 + VERIFY_TOKENS}_token_step_ms": round(many, 3),
-                   "draft_step_ms": round(draft_ms, 3)}
+                   "draft_step_ms": round(draft_ms, 3), **({"head_dtype": head_dtype} if head is not None else {})}
 
 
 def verdict(agreement: float, costs: StepCosts, *, kind: str = "model", timings: Optional[dict] = None,
             quant: str = "none") -> dict:
     """agreement: the draft's greedy agreement with the target, standing in for the acceptance rate."""
     k = best_draft_length(agreement, costs, MAX_DRAFT_LEN)
-    draft = ", the EAGLE-3 head as its torch CPU engine" if kind == "eagle3" else ", fp32 draft"
+    draft = (f", the EAGLE-3 head as its torch CPU engine in {(timings or {}).get('head_dtype', 'its fastest dtype')}"
+             if kind == "eagle3" else ", fp32 draft")
     return {"agreement": round(agreement, 4), "target_quant": quant,
             "step_costs": {k_: round(v, 4) for k_, v in costs.as_dict().items()},
             "best_k": k, "predicted_speedup": round(expected_speedup(k, agreement, costs), 3),
