@@ -381,3 +381,15 @@ def test_only_a_build_that_drafts_pads_its_quantized_target(monkeypatch, tiny_ta
     assert target.verify_consistency.unpadded_max_abs_logit_diff == 1.4
     assert (target.min_rows_per_call, target.verify_consistency.verify_calls) == ((1, False) if draft == "none" else (2, True))
     assert load_deployment(folder, threads=1).target.min_rows == target.min_rows_per_call
+
+
+def test_planted_batch_step_that_mixes_rows_up_fails_batch_consistency(genai_fp32, monkeypatch):
+    """batch_consistency can fail: a batched step that hands each row its neighbour's logits is caught."""
+    from specpipe.engines import load_engine
+    from specpipe.engines.consistency import batch_consistency
+    from specpipe.engines.shared_kv import KVBatch
+
+    decode = KVBatch.decode
+    monkeypatch.setattr(KVBatch, "decode", lambda self, rows, tokens, preempt=None: decode(self, rows, tokens, preempt)[::-1])
+    result = batch_consistency(load_engine(genai_fp32, threads=1), BATCH_PROMPTS, new_tokens=8)
+    assert result.max_abs_logit_diff > 1e-3
