@@ -393,3 +393,18 @@ def test_planted_batch_step_that_mixes_rows_up_fails_batch_consistency(genai_fp3
     monkeypatch.setattr(KVBatch, "decode", lambda self, rows, tokens, preempt=None: decode(self, rows, tokens, preempt)[::-1])
     result = batch_consistency(load_engine(genai_fp32, threads=1), BATCH_PROMPTS, new_tokens=8)
     assert result.max_abs_logit_diff > 1e-3
+
+
+def test_a_head_drafting_for_a_target_built_without_a_draft_pads_it():
+    """`--draft HEAD` on a --draft none build: verify calls run after all, so the target pads as measured."""
+    from specpipe.contract.manifest import ConsistencyRecord
+    from specpipe.deployment import target_rows_per_call
+    from specpipe.engines.onnxruntime import TARGET_MIN_ROWS
+
+    record = ConsistencyRecord(max_abs_logit_diff=0.0, argmax_flips=0, positions=48, chunk=5, exact=True,
+                               unpadded_max_abs_logit_diff=1.4, verify_calls=False)
+    unpadded = SimpleNamespace(verify_consistency=record, min_rows_per_call=1)
+    assert target_rows_per_call(unpadded, verifies=False) == 1
+    assert target_rows_per_call(unpadded, verifies=True) == TARGET_MIN_ROWS
+    drafting = SimpleNamespace(verify_consistency=record.model_copy(update={"verify_calls": True}), min_rows_per_call=1)
+    assert target_rows_per_call(drafting, verifies=True) == 1  # measured consistent unpadded: nothing to pad
