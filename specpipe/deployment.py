@@ -14,7 +14,6 @@ from specpipe.contract.manifest import Manifest
 from specpipe.drafts import make_drafter, read_manifest
 from specpipe.drafts.eagle3 import head_drafter
 from specpipe.engines import Engine, load_engine
-from specpipe.engines.onnxruntime import TARGET_MIN_ROWS
 from specpipe.errors import EngineError
 from specpipe.speculative.batching import BatchScheduler
 from specpipe.speculative.drafters import Drafter
@@ -67,6 +66,8 @@ def target_rows_per_call(target, *, verifies: bool) -> int:
     a verify row (engines/onnxruntime.py). A target built without a draft runs unpadded (builder/measure.py
     `rows_per_call`); `verifies`: a head drafts for it after all (`--draft HEAD`), so it pads as the build measured
     it must (the record keeps verify_calls false and the unpadded difference)."""
+    from specpipe.engines.onnxruntime import TARGET_MIN_ROWS
+
     consistency = target.verify_consistency
     if verifies and consistency is not None and not consistency.verify_calls:
         return TARGET_MIN_ROWS
