@@ -61,6 +61,19 @@ def make_scheduler(target: Engine, drafter: Optional[Drafter], eos_token_ids, co
     )
 
 
+def target_rows_per_call(target, *, verifies: bool) -> int:
+    """Rows per call of the target (a manifest's TargetEntry) as the build recorded them, so a 1-token step scores like
+    a verify row (engines/onnxruntime.py). A target built without a draft runs unpadded (builder/measure.py
+    `rows_per_call`); `verifies`: a head drafts for it after all (`--draft HEAD`), so it pads as the build measured
+    it must (the record keeps verify_calls false and the unpadded difference)."""
+    from specpipe.engines.onnxruntime import TARGET_MIN_ROWS
+
+    consistency = target.verify_consistency
+    if verifies and consistency is not None and not consistency.verify_calls:
+        return TARGET_MIN_ROWS
+    return target.min_rows_per_call
+
+
 def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: bool = False,
                     max_batch_size: Optional[int] = None, max_queue: Optional[int] = None,
                     head: Optional[Path] = None) -> Deployment:
@@ -77,8 +90,8 @@ def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: boo
 
         raise EngineError(f"{folder} is a TensorRT-LLM build: it runs only in TensorRT-LLM ({SERVED_BY})")
     tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest.tokenizer.path))
-    # Builds record how the target must run for a 1-token step to score like a verify row (engines/onnxruntime.py).
-    target = load_engine(folder / manifest.target.engine.path, threads=threads, min_rows=manifest.target.min_rows_per_call)
+    target = load_engine(folder / manifest.target.engine.path, threads=threads,
+                         min_rows=target_rows_per_call(manifest.target, verifies=head is not None))
     step_costs = manifest.step_costs
     if head is not None:
         drafter = head_drafter(Path(head), target, folder / manifest.target.engine.path, dtype="measure")

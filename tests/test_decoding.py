@@ -178,3 +178,36 @@ def test_chi_square_catches_a_planted_wrong_rule(pair, monkeypatch):
     monkeypatch.setattr("specpipe.speculative.verify.verify_sampled", always_accept)
     p_first, p_second, _ = first_and_second_pvalues(pair, SAMPLED)
     assert p_first < 0.001
+
+
+def test_streamed_text_is_the_tokenizers_decode_of_every_token(tiny_tokenizer):
+    """Token by token through the incremental detokenizer (multi-byte characters split across tokens, special
+    tokens in between) gives transformers' decode of all of them (here through the Rust tokenizer's decode)."""
+    from specpipe.speculative.generator import IncrementalDetokenizer
+
+    ids = tiny_tokenizer("Héllo wörld 東京 ok , done .")["input_ids"]
+    ids = ids[:5] + [tiny_tokenizer.eos_token_id] + ids[5:] + [tiny_tokenizer.all_special_ids[0]]
+    detokenizer = IncrementalDetokenizer(tiny_tokenizer)
+    text = "".join(detokenizer.add([t]) for t in ids) + detokenizer.flush()
+    assert text == tiny_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers(tiny_tokenizer):
+    import copy
+
+    from specpipe.speculative.generator import _text_of
+
+    tokenizer = copy.copy(tiny_tokenizer)
+    tokenizer.clean_up_tokenization_spaces = True
+    ids = tokenizer("ok , done .")["input_ids"]
+    assert _text_of(tokenizer)(ids) == tokenizer.decode(ids, skip_special_tokens=True) == "ok, done."
+
+
+def test_planted_detokenizer_that_keeps_special_tokens_fails(tiny_tokenizer, monkeypatch):
+    import specpipe.speculative.generator as generator
+
+    monkeypatch.setattr(generator, "_text_of", lambda tok: lambda ids: tok.backend_tokenizer.decode(ids, skip_special_tokens=False))
+    ids = tiny_tokenizer("ok done")["input_ids"] + [tiny_tokenizer.eos_token_id]
+    detokenizer = generator.IncrementalDetokenizer(tiny_tokenizer)
+    text = "".join(detokenizer.add([t]) for t in ids) + detokenizer.flush()
+    assert text != tiny_tokenizer.decode(ids, skip_special_tokens=True)

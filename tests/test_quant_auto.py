@@ -314,3 +314,97 @@ def test_the_demo_builds_its_target_at_the_measured_precision(monkeypatch, tmp_p
     demo._print_precisions(state, manifest)
     text = state.console.export_text()
     assert "* fp32" in text and "OVER" in text and "43.0" in text and "fp32 decodes the most tokens/s" in text
+
+
+# --- Rows per call without a draft (builder/measure.py `rows_per_call`) ---
+
+BATCH_PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [100, 200, 150, 7, 8, 9, 10], [9, 8, 7, 6]]
+
+
+@pytest.fixture(scope="module")
+def genai_int8(genai_fp32, tiny_target, tiny_tokenizer, tmp_path_factory):
+    """tiny_target as the builder's int8-wo shared-KV engine (MatMulNBits with int8 activations, accuracy_level 4)."""
+    from specpipe.quantize import quantize_engine
+
+    out = tmp_path_factory.mktemp("int8") / "target"
+    quantize_engine(genai_fp32, out, QuantConfig(mode="int8-wo", accept_accuracy_loss=True), tiny_tokenizer,
+                    model_name="target", threads=1, checkpoint=tiny_target)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["none", "int8-wo"])
+def test_unpadded_lone_steps_score_like_batched_steps(genai_fp32, genai_int8, mode):
+    """A request alone and the same request in a batched step take the same kernels when neither is padded: a
+    batched step is one token per row, as a lone step is (the near-tie rule's tolerance bounds the difference)."""
+    from specpipe.engines import load_engine
+    from specpipe.engines.consistency import batch_consistency
+    from specpipe.speculative.equivalence import near_tie_tolerance
+
+    folder = {"none": genai_fp32, "int8-wo": genai_int8}[mode]
+    result = batch_consistency(load_engine(folder, threads=1, min_rows=1), BATCH_PROMPTS, new_tokens=24)
+    assert result.positions == 4 * 24 and result.argmax_flips == 0
+    assert result.max_abs_logit_diff <= near_tie_tolerance(mode)
+
+
+def test_rows_per_call_pads_only_a_target_that_verifies():
+    from specpipe.builder.measure import rows_per_call
+    from specpipe.contract.manifest import ConsistencyRecord
+    record = ConsistencyRecord(max_abs_logit_diff=0.0, argmax_flips=0, positions=48, chunk=5, exact=True,
+                               near_tie_tolerance=1e-3, unpadded_max_abs_logit_diff=1.4)
+    none, ngram = SimpleNamespace(kind="none"), SimpleNamespace(kind="ngram")  # all rows_per_call reads of an entry
+    assert rows_per_call(record, 2, ngram) == (record, 2)
+    kept, rows = rows_per_call(record, 2, none)
+    assert rows == 1 and not kept.verify_calls and kept.unpadded_max_abs_logit_diff == 1.4
+    assert rows_per_call(record, 1, none) == (record, 1)
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_only_a_build_that_drafts_pads_its_quantized_target(monkeypatch, tiny_target, tmp_path, draft):
+    """The tiny target's kernels may score 1-token and verify rows alike here; the verify check answering "pad to 2
+    rows" (as it does for SmolLM2 int8-wo) is planted. --draft none never runs a verify call, so its target runs 1
+    row per call and the record says why; a build with a draft keeps the padding."""
+    import specpipe.builder.cpu as cpu
+    from specpipe.builder import build
+    from specpipe.deployment import load_deployment
+    from specpipe.drafts import read_manifest
+
+    measured = cpu.measure_target_min_rows
+
+    def pads(*args, **kwargs):
+        record, _ = measured(*args, **kwargs)
+        return record.model_copy(update={"unpadded_max_abs_logit_diff": 1.4}), 2
+
+    monkeypatch.setattr(cpu, "measure_target_min_rows", pads)
+    folder = build(BuildConfig(target=str(tiny_target), draft=draft, name="alone", engines_dir=tmp_path, repo_dir=None,
+                               quant=QuantConfig(mode="int8-wo", accept_accuracy_loss=True)))
+    target = read_manifest(folder).target
+    assert target.verify_consistency.unpadded_max_abs_logit_diff == 1.4
+    assert (target.min_rows_per_call, target.verify_consistency.verify_calls) == ((1, False) if draft == "none" else (2, True))
+    assert load_deployment(folder, threads=1).target.min_rows == target.min_rows_per_call
+
+
+def test_planted_batch_step_that_mixes_rows_up_fails_batch_consistency(genai_fp32, monkeypatch):
+    """batch_consistency can fail: a batched step that hands each row its neighbour's logits is caught."""
+    from specpipe.engines import load_engine
+    from specpipe.engines.consistency import batch_consistency
+    from specpipe.engines.shared_kv import KVBatch
+
+    decode = KVBatch.decode
+    monkeypatch.setattr(KVBatch, "decode", lambda self, rows, tokens, preempt=None: decode(self, rows, tokens, preempt)[::-1])
+    result = batch_consistency(load_engine(genai_fp32, threads=1), BATCH_PROMPTS, new_tokens=8)
+    assert result.max_abs_logit_diff > 1e-3
+
+
+def test_a_head_drafting_for_a_target_built_without_a_draft_pads_it():
+    """`--draft HEAD` on a --draft none build: verify calls run after all, so the target pads as measured."""
+    from specpipe.contract.manifest import ConsistencyRecord
+    from specpipe.deployment import target_rows_per_call
+    from specpipe.engines.onnxruntime import TARGET_MIN_ROWS
+
+    record = ConsistencyRecord(max_abs_logit_diff=0.0, argmax_flips=0, positions=48, chunk=5, exact=True,
+                               unpadded_max_abs_logit_diff=1.4, verify_calls=False)
+    unpadded = SimpleNamespace(verify_consistency=record, min_rows_per_call=1)
+    assert target_rows_per_call(unpadded, verifies=False) == 1
+    assert target_rows_per_call(unpadded, verifies=True) == TARGET_MIN_ROWS
+    drafting = SimpleNamespace(verify_consistency=record.model_copy(update={"verify_calls": True}), min_rows_per_call=1)
+    assert target_rows_per_call(drafting, verifies=True) == 1  # measured consistent unpadded: nothing to pad

@@ -25,6 +25,7 @@ from specpipe.builder.measure import (
     measure_precisions,
     measure_step_costs,
     measure_target_min_rows,
+    rows_per_call,
 )
 from specpipe.builder.config import BuildConfig
 from specpipe.checkpoint.facts import CONTEXT_LENGTH_UNSAID
@@ -131,6 +132,8 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
             say("timing the engines for adaptive K")
             costs = measure_built_step_costs(stage, draft_entry, cfg, target_entry.min_rows_per_call)
             warnings = _predict(cfg.draft[0], draft_entry, models.get(cfg.draft[0]), costs, cfg)
+        target_entry.verify_consistency, target_entry.min_rows_per_call = rows_per_call(
+            target_entry.verify_consistency, target_entry.min_rows_per_call, draft_entry)
         say(f"timing batched target steps (up to {cfg.backend.max_batch_size} requests) for load-adaptive K")
         batch_costs = measure_batch_costs(load_engine(stage / "target", threads=cfg.backend.threads,
                                                       min_rows=target_entry.min_rows_per_call), cfg.backend.max_batch_size)

@@ -127,6 +127,9 @@ class ConsistencyRecord(_Record):
     near_tie_tolerance: Optional[float] = None
     within_tolerance: bool = True
     unpadded_max_abs_logit_diff: Optional[float] = None  # when 1-token calls had to run as 2 rows
+    # False: the deployment has no draft, so no verify call ever runs; its 1-token calls run unpadded, which keeps
+    # them exactly like batched 1-token steps (builder/measure.py `rows_per_call`)
+    verify_calls: bool = True
 
 
 class VocabRecord(_Record):

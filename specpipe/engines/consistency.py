@@ -61,3 +61,36 @@ def verify_consistency(engine: Engine, prompts: Sequence[Sequence[int]], *, new_
         flips += int((a.argmax(-1) != b.argmax(-1)).sum())
         compared += len(tokens)
     return Consistency(worst, flips, compared, chunk)
+
+
+def batch_consistency(engine: Engine, prompts: Sequence[Sequence[int]], *, new_tokens: int = 24) -> Consistency:
+    """Compare each prompt's lone 1-token decode logits with the same steps run batched, one call for all prompts'
+    rows (what a batching server runs): whether a request's output depends on the requests beside it.
+
+    Each prompt is decoded greedily alone; then all are prefilled into one batch and fed the same tokens, one
+    batched step per position. `chunk` is 1 (one token per row per call). Example, 2 prompts: alone, [a1], [a2],
+    ... and [b1], [b2], ...; batched, [a1 | b1], [a2 | b2], ...
+    """
+    prompts = [[int(t) for t in prompt] for prompt in prompts]
+    budget = min(new_tokens, min(engine.max_seq_len - len(p) - 1 for p in prompts))
+    alone_tokens, alone_rows = [], []
+    for prompt in prompts:
+        sequence = engine.new_sequence()
+        last = sequence.append(prompt)[-1]
+        tokens, rows = [], []
+        for _ in range(budget):
+            tokens.append(int(last.argmax()))
+            last = sequence.append(tokens[-1:])[-1]
+            rows.append(last)
+        alone_tokens.append(tokens)
+        alone_rows.append(np.stack(rows) if rows else np.zeros((0, engine.vocab_size), np.float32))
+    batch = engine.new_batch(len(prompts))
+    sequences = [batch.new_sequence() for _ in prompts]
+    for sequence, prompt in zip(sequences, prompts):
+        sequence.append(prompt)
+    steps = [batch.decode(sequences, [tokens[i] for tokens in alone_tokens]) for i in range(budget)]  # [rows, V] each
+    batched = np.stack(steps, axis=1) if steps else np.zeros((len(prompts), 0, engine.vocab_size), np.float32)
+    a = np.stack(alone_rows)  # [prompts, budget, V]
+    worst = float(np.abs(a - batched).max()) if budget else 0.0
+    flips = int((a.argmax(-1) != batched.argmax(-1)).sum())
+    return Consistency(worst, flips, len(prompts) * budget, 1)

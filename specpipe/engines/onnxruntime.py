@@ -12,7 +12,11 @@ differently: SmolLM2-135M's logits moved by up to 7e-5 in fp32 and by 1.4-1.8 as
 AVX2 CPU (docs/decoding.md "Greedy equivalence"). A speculative verify call always has K+1 >= 2 rows, so a target opened with min_rows=2 runs its
 1-token steps as 2-row calls (the token twice; the extra row's logits and cache entries are dropped): every
 call then goes through the same kernels, and a position's logits are the same alone and inside a verify
-call (measured bit-identical, engines/consistency.py; docs/decoding.md "Greedy equivalence").
+call (measured bit-identical, engines/consistency.py; docs/decoding.md "Greedy equivalence"). Only a target that
+verifies is opened so (builder/measure.py `rows_per_call`): a batched 1-token step takes the 1-token path too, so
+without a draft an unpadded target's lone steps equal its batched ones, and padded they do not. (A lone MatMulNBits
+node gave 1-row and 8-row results equal to ~1e-6 on Zen 4, exact at blocks of 16 and 32: the 1-token path of
+the attention, amplified by int8 activations, is the likelier source of the difference.)
 """
 
 from __future__ import annotations

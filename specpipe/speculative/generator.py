@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from specpipe.contract.costs import StepCosts
 from specpipe.contract.generation import GenerationConfig
@@ -68,6 +68,16 @@ class Result:
         }
 
 
+def _text_of(tokenizer) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, straight through a fast tokenizer's Rust tokenizer where
+    that is all transformers' decode does (no clean-up of tokenization spaces): 0.8 against 10.5 us a call, twice a
+    step (SmolLM2-135M, Zen 4), 0.2-0.5 ms of a loaded target-only step's ~1 ms of Python."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     """Decodes a growing token list into text deltas without splitting a UTF-8 character.
 
@@ -77,15 +87,15 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.decode = _text_of(tokenizer)
         self.token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
 
     def add(self, token_ids: Sequence[int]) -> str:
         self.token_ids.extend(token_ids)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset])
-        new_text = decode(self.token_ids[self.prefix_offset :])
+        prefix_text = self.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self.decode(self.token_ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
             return new_text[len(prefix_text) :]
@@ -93,9 +103,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back at the end (a trailing partial character decodes as U+FFFD)."""
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset])
-        new_text = decode(self.token_ids[self.prefix_offset :])
+        prefix_text = self.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self.decode(self.token_ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.token_ids)
         return new_text[len(prefix_text) :]
 
