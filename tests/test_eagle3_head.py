@@ -137,6 +137,25 @@ def test_teacher_pass_records_the_residual_stream(eight_layer_target, tiny_token
         assert float((seq.features.float() - expected).abs().max()) <= 2e-3 * max(1.0, scale)  # float16 storage
 
 
+def test_a_deadline_cuts_answers_where_they_are(eight_layer_target, tiny_tokenizer):
+    """The teacher pass's time cap holds inside a batch: past the deadline every answer stops, as far as it got (one
+    token here, the deadline being already past), with its distributions and features still lined up."""
+    from transformers import AutoModelForCausalLM
+
+    from specpipe.distill.teacher import answer_prompts
+
+    model = AutoModelForCausalLM.from_pretrained(eight_layer_target).eval()
+    prompts = [tiny_tokenizer("def add(a, b):")["input_ids"], tiny_tokenizer("The quick brown fox jumps")["input_ids"]]
+    common = dict(kinds=["code", "chat"], max_new_tokens=6, eos_token_ids=set(), pad_token_id=tiny_tokenizer.pad_token_id,
+                  top_k=4, feature_layers=(1, 3, 4))
+    full = answer_prompts(model, prompts, **common)
+    cut = answer_prompts(model, prompts, **common, deadline=0.0)
+    for whole, part, ids in zip(full, cut, prompts):
+        assert len(whole) == len(ids) + 6 and len(part) == len(ids) + 1
+        assert torch.equal(part.token_ids, whole.token_ids[: len(part)])  # the same answer, cut
+        assert part.top_ids.shape[0] == part.features.shape[0] == len(part) - 1
+
+
 def test_training_time_test_is_what_drafting_computes(eight_layer_target, tmp_path):
     """The unrolled training pass gives, at every row and step, the state and logits that drafting token by token
     with a KV cache gives (the upstream-style loader above), and the head round-trips through the file format."""

@@ -139,10 +139,14 @@ def answer_prompts(
     temperature: float = 0.0,
     generator: Optional[torch.Generator] = None,
     feature_layers: Sequence[int] = (),
+    deadline: Optional[float] = None,
 ) -> list[TeacherSequence]:
     """Let the target answer a batch of prompts (left-padded, KV cache), keeping its top-k at every position.
 
     temperature 0 = greedy. Rows that finished keep stepping on pad tokens (ignored) until all are done.
+    deadline (a time.perf_counter() value): stop stepping there and keep every answer as far as it got (a cut
+    answer is still the target's own continuation): a batch of 48 answers x 160 tokens on a loaded 2-core machine
+    ran ~7 minutes past the time cap it started under (the 2026-11-24 demo).
     feature_layers (layer-output ids): also keep the residual stream after those layers at every position, from the
     same forward passes (EAGLE-3 features; no second target pass).
     """
@@ -178,6 +182,8 @@ def answer_prompts(
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     next_pos = positions[:, -1] + 1
     for _ in range(max_new_tokens):
+        if deadline is not None and time.perf_counter() >= deadline and any(answers):
+            break
         ids, logprobs = _top_k(logits, top_k)
         if temperature > 0:  # sampled on the CPU: the same generator gives the same answers on any device
             probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
@@ -274,6 +280,9 @@ def generate_teacher_data(
             return cache.seconds < budget_s
         return cache.answer_tokens < budget_tokens and time.perf_counter() - started < budget_s
 
+    # the cap holds inside a batch too: a time budget ends where the cache's generation time reaches it
+    deadline = started + (budget_s - cache.seconds if budget_tokens is None else budget_s)
+
     while more():
         start = cache.answered
         round_index, offset = divmod(start, len(prompts))
@@ -285,7 +294,7 @@ def generate_teacher_data(
         sequences = answer_prompts(
             model, ids, kinds=[p["kind"] for p in chosen], max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
             pad_token_id=pad, top_k=top_k, temperature=0.0 if round_index == 0 else sample_temperature,
-            generator=generator, feature_layers=feature_layers,
+            generator=generator, feature_layers=feature_layers, deadline=deadline,
         )
         seconds = time.perf_counter() - t0
         cache.append(sequences, seconds, len(chosen))
