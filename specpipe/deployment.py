@@ -63,11 +63,12 @@ def make_scheduler(target: Engine, drafter: Optional[Drafter], eos_token_ids, co
 
 def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: bool = False,
                     max_batch_size: Optional[int] = None, max_queue: Optional[int] = None,
-                    head: Optional[Path] = None) -> Deployment:
+                    head: Optional[Path] = None, spinning: bool = True) -> Deployment:
     """`batching`: requests decode together (speculative/batching.py) up to the build's max_batch_size (or
     `max_batch_size`, with `max_queue`, when given: the Triton model's parameters); the served model asks for
     it. Otherwise each generation decodes alone (generate, bench, gate in process).
-    `head`: an EAGLE-3 head folder that drafts instead of the manifest's draft (`generate`/`bench --draft`)."""
+    `head`: an EAGLE-3 head folder that drafts instead of the manifest's draft (`generate`/`bench --draft`).
+    `spinning` False: the target's worker threads block rather than spin while waiting (the served model sets it)."""
     from transformers import AutoTokenizer
 
     folder = Path(folder)
@@ -78,7 +79,8 @@ def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: boo
         raise EngineError(f"{folder} is a TensorRT-LLM build: it runs only in TensorRT-LLM ({SERVED_BY})")
     tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest.tokenizer.path))
     # Builds record how the target must run for a 1-token step to score like a verify row (engines/onnxruntime.py).
-    target = load_engine(folder / manifest.target.engine.path, threads=threads, min_rows=manifest.target.min_rows_per_call)
+    target = load_engine(folder / manifest.target.engine.path, threads=threads, min_rows=manifest.target.min_rows_per_call,
+                         spinning=spinning)
     step_costs = manifest.step_costs
     if head is not None:
         drafter = head_drafter(Path(head), target, folder / manifest.target.engine.path)
