@@ -21,6 +21,7 @@ def served(tiny_build):
     return load_deployment(tiny_build, threads=1, batching=True)
 
 
+@pytest.mark.timing  # the scheduler's thread runs the request (one request: no race to lose)
 def test_the_trace_counts_every_token_of_a_request_in_its_calls(served):
     """Target alone, no EOS: the prompt's call gives the first token and each decode call one more."""
     scheduler = served.generator.decoder
@@ -49,6 +50,7 @@ def test_a_breakdown_splits_the_window_into_calls_and_the_rest():
     assert sum(k["share"] for k in kinds.values()) == pytest.approx(1.0)
 
 
+@pytest.mark.timing  # the scheduler's thread runs the request (one request: no race to lose)
 def test_the_served_profile_is_off_unless_asked_and_written_where_asked(served, tmp_path, monkeypatch):
     scheduler = served.generator.decoder
     monkeypatch.delenv(PROFILE_ENV, raising=False)
