@@ -78,3 +78,16 @@ def test_the_served_target_blocks_instead_of_spinning_and_others_keep_the_defaul
 
     assert spinning(load_deployment(tiny_build, threads=1, batching=True, spinning=False)) == "0"
     assert spinning(load_deployment(tiny_build, threads=1)) == "default"
+
+
+@pytest.mark.timing
+def test_a_profiled_level_through_the_real_server_accounts_for_its_window(tiny_build, tmp_path):
+    from specpipe.bench.serve_profile import profile_level
+
+    result = profile_level(tiny_build, users=2, per_user=2, max_tokens=8, out_dir=tmp_path)
+    assert result["level"]["errors"] == 0 and result["tokens"] == 2 * 2 * 8
+    [scheduler] = result["scheduler_whole_level"]  # one instance, one profile file (4 short requests: the
+    # steady window, every user in flight, may hold no call at all)
+    assert "decode" in scheduler["kinds"] and "prefill" in scheduler["kinds"]
+    assert sum(k["share"] for k in scheduler["kinds"].values()) == pytest.approx(1.0)
+    assert result["answers"]["requests"] == 4 and result["answers"]["tokens_per_response"] > 0.5  # + a final response each

@@ -53,7 +53,7 @@ def test_sampled_requests_and_failed_ones_are_not_compared(reference):
 
 
 def _report(**changes) -> SoakReport:
-    fields = dict(requests=10, errors=[], rss_mb=(1000.0, 1020.0), greedy_checked=5, mismatches=[], near_ties=0,
+    fields = dict(requests=10, errors=[], rss_mb=(1000.0, 1020.0), rss_series_mb=[1000.0, 1020.0], greedy_checked=5, mismatches=[], near_ties=0,
                   tokens=100, wall_s=1.0, rss_growth_limit=0.05)
     return SoakReport(**{**fields, **changes}).judge()
 

@@ -85,6 +85,7 @@ def profile_level(target: Path, users: int, per_user: int, max_tokens: int, out_
             warmup = run_level(server.url, DEFAULT_MODEL, make, 1, 2)
             stagger_s = float(np.median([r.total_ms for r in warmup.records])) / 1e3
             cpu0 = {name: cpu(p) for name, p in processes.items()}
+            begun = time.time()
             level = run_level(server.url, DEFAULT_MODEL, make, users, users * per_user, server_pid=server.process.pid,
                               stagger_s=stagger_s)
             ended = time.time()
@@ -92,17 +93,18 @@ def profile_level(target: Path, users: int, per_user: int, max_tokens: int, out_
     finally:
         os.environ.pop(PROFILE_ENV, None)
     served = [json.loads(path.read_text()) for path in out_dir.glob(PROFILE_FILE)]  # written as the server stopped
-    window = steady_window(level, ended - level.wall_s)
+    window = steady_window(level, begun)
     summary = summarize_level(level)
     tokens = sum(r.tokens for r in level.records if r.error is None)
-    answers = [a for s in served for a in s["answers"] if a["start"] >= ended - level.wall_s]
+    answers = [a for s in served for a in s["answers"] if a["start"] >= begun]  # not the warm-up's
     per_instance = [breakdown(s["calls"], window) for s in served]
+    whole_level = [breakdown(s["calls"], (begun, ended)) for s in served]
     decode = per_instance[0]["kinds"].get("decode") if len(per_instance) == 1 else None
     return {
         "machine": describe_machine().summary(), "load_before": load_before, "load_after": os.getloadavg(),
         "target": str(target), "users": users, "requests": len(level.records), "max_tokens": max_tokens,
         "level": {k: v for k, v in summary.items() if not isinstance(v, (list, dict))},
-        "scheduler": per_instance,
+        "scheduler": per_instance, "scheduler_whole_level": whole_level,  # steady window; ramp-up and tail too
         "decode_calls_tokens_per_s": decode["tokens"] / decode["s"] if decode and decode["s"] else None,
         "cpu_s": cpu_s, "tokens": tokens,
         "cpu_ms_per_token": {name: s / tokens * 1e3 for name, s in cpu_s.items()} if tokens else {},

@@ -3,7 +3,8 @@ requests each, cycling through a mix of prompts, lengths and sampling settings (
 
 - 0 errors,
 - the server's memory (tritonserver and its stubs) growing by less than `rss_growth_limit` from the end of a
-  warm-up round (one request per user, which grows the engines' arenas to the full batch) to the end, and
+  warm-up round (every setting of the mix once, at full concurrency: the engines' arenas grow to the full batch
+  and the longest requests) to the end, and
 - every greedy output equal to the same request decoded alone in process (batch 1, the same deployment), under
   the project's near-tie rule (speculative/equivalence.py): batching, speculation, other users' settings and
   the hours a server has run must not change what a greedy request gets.
@@ -27,8 +28,7 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 def request_mix(max_tokens: list[int]) -> list[GenerationConfig]:
     """The settings requests cycle through: greedy as deployed, greedy target-only, greedy with a fixed K, greedy
-    without stopping at EOS, and two seeded samplers; each at every length of `max_tokens`, longest first (the
-    warm-up round, requests 0 .. streams - 1, then grows the server's buffers to the soak's largest requests)."""
+    without stopping at EOS, and two seeded samplers; each at every length of `max_tokens`, longest first."""
     kinds = [
         dict(),
         dict(speculative=False),
@@ -49,6 +49,7 @@ class SoakReport:
     requests: int
     errors: list[str]
     rss_mb: tuple[Optional[float], Optional[float]]  # (after the warm-up round, at the end)
+    rss_series_mb: list[float]  # the soak's samples, at most 60 evenly spaced: a step or a slope
     greedy_checked: int
     mismatches: list[dict]  # greedy outputs that differ from their batch-1 output beyond a near-tie
     near_ties: int  # greedy outputs that differ only after a near-tie (allowed)
@@ -81,7 +82,7 @@ class SoakReport:
 
     def as_dict(self) -> dict:
         return {"requests": self.requests, "errors": len(self.errors), "error_messages": self.errors[:5],
-                "rss_mb": list(self.rss_mb), "rss_growth": self.rss_growth, "rss_growth_limit": self.rss_growth_limit,
+                "rss_mb": list(self.rss_mb), "rss_series_mb": self.rss_series_mb, "rss_growth": self.rss_growth, "rss_growth_limit": self.rss_growth_limit,
                 "greedy_checked": self.greedy_checked, "near_ties": self.near_ties, "mismatches": self.mismatches,
                 "tokens": self.tokens, "wall_s": self.wall_s, "tokens_per_s": self.tokens / self.wall_s if self.wall_s else None,
                 "passed": not self.failures, "failures": self.failures}
@@ -150,13 +151,15 @@ def run_soak(cfg: SoakConfig, engines: Path, *, progress: Optional[Progress] = N
     # soak every prompt meets every setting.
     requests = [(prompts[i % len(prompts)], mix[(i + i // len(prompts)) % len(mix)]) for i in range(total)]
     make = lambda i, reqs=requests: request_tensors(reqs[i][0], reqs[i][1], stream=True)  # noqa: E731
+    warm = max(cfg.streams, len(mix))  # every setting once: request j is prompt j mod P with setting j mod M
+    make_warm = lambda j: request_tensors(prompts[j % len(prompts)], mix[j % len(mix)], stream=True)  # noqa: E731
     report = progress or (lambda what, done, total: None)
     with ExitStack() as stack:
         repo = stack.enter_context(_repository(Path(engines), DEFAULT_MODEL))
         server = stack.enter_context(_started_server(repo, log))
         pid = server.process.pid
-        report("warm-up", 0, cfg.streams)
-        warmup = run_level(server.url, DEFAULT_MODEL, make, cfg.streams, cfg.streams, server_pid=pid,
+        report("warm-up", 0, warm)
+        warmup = run_level(server.url, DEFAULT_MODEL, make_warm, cfg.streams, warm, server_pid=pid,
                            timeout_s=cfg.request_timeout_s)
         done = [0]
 
@@ -172,7 +175,8 @@ def run_soak(cfg: SoakConfig, engines: Path, *, progress: Optional[Progress] = N
     errors = [f"request {r.index}: {r.error}" for r in warmup.records + level.records if r.error is not None]
     return SoakReport(
         requests=len(level.records), errors=errors,
-        rss_mb=tuple(b[0] / 2**20 if b else None for b in rss), greedy_checked=checked, mismatches=mismatches,
+        rss_mb=tuple(b[0] / 2**20 if b else None for b in rss),
+        rss_series_mb=[round(b / 2**20, 1) for b in level.rss_bytes[:: max(1, len(level.rss_bytes) // 60)]], greedy_checked=checked, mismatches=mismatches,
         near_ties=near_ties, tokens=sum(r.tokens for r in level.records if r.error is None), wall_s=level.wall_s,
         rss_growth_limit=cfg.rss_growth_limit,
     ).judge()
