@@ -9,7 +9,7 @@ export PIP_ROOT_USER_ACTION := ignore
 # Fixed thread count so timings are comparable (2 cores here).
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install install-peers test test-fast test-stress demo bench loadtest clean distclean
+.PHONY: install install-peers test test-fast test-stress demo bench loadtest soak clean distclean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,13 @@ bench: install
 LOADTEST_LABEL ?= demo
 loadtest: install
 	$(VENV)/bin/specpipe loadtest triton_repo --label $(LOADTEST_LABEL) --json-out reports/loadtest-$(LOADTEST_LABEL).json --plot reports/loadtest-$(LOADTEST_LABEL).png
+
+# 16 streams x 100 requests through the real server on the demo's deployment (`make demo`), mixed lengths and
+# sampling settings: fails on any error, server memory growth >= 5%, or a greedy output that differs from the same
+# request decoded alone (the near-tie rule). `make test` runs a short version (tests/test_soak.py).
+SOAK_ENGINES ?= engines/smollm2-demo
+soak: install
+	$(PY) -m specpipe.bench.soak $(SOAK_ENGINES) --json-out reports/soak.json
 
 clean:
 	rm -rf engines/*/ triton_repo/*/ reports/ .pytest_cache

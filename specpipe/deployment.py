@@ -76,11 +76,12 @@ def target_rows_per_call(target, *, verifies: bool) -> int:
 
 def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: bool = False,
                     max_batch_size: Optional[int] = None, max_queue: Optional[int] = None,
-                    head: Optional[Path] = None) -> Deployment:
+                    head: Optional[Path] = None, spinning: bool = True) -> Deployment:
     """`batching`: requests decode together (speculative/batching.py) up to the build's max_batch_size (or
     `max_batch_size`, with `max_queue`, when given: the Triton model's parameters); the served model asks for
     it. Otherwise each generation decodes alone (generate, bench, gate in process).
-    `head`: an EAGLE-3 head folder that drafts instead of the manifest's draft (`generate`/`bench --draft`)."""
+    `head`: an EAGLE-3 head folder that drafts instead of the manifest's draft (`generate`/`bench --draft`).
+    `spinning` False: the target's worker threads block rather than spin while waiting (the served model sets it)."""
     from transformers import AutoTokenizer
 
     folder = Path(folder)
@@ -91,7 +92,7 @@ def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: boo
         raise EngineError(f"{folder} is a TensorRT-LLM build: it runs only in TensorRT-LLM ({SERVED_BY})")
     tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest.tokenizer.path))
     target = load_engine(folder / manifest.target.engine.path, threads=threads,
-                         min_rows=target_rows_per_call(manifest.target, verifies=head is not None))
+                         min_rows=target_rows_per_call(manifest.target, verifies=head is not None), spinning=spinning)
     step_costs = manifest.step_costs
     if head is not None:
         drafter = head_drafter(Path(head), target, folder / manifest.target.engine.path, dtype="measure")

@@ -108,3 +108,23 @@ class LoadConfig(Strict):
 
     def requests_at(self, concurrency: int) -> int:
         return max(self.requests, self.requests_per_user * concurrency)
+
+
+class SoakConfig(Strict):
+    """`make soak` (bench/soak.py): many closed-loop streaming users through the real server, each request one of
+    a mix of lengths and sampling settings. Passes with 0 errors, server memory growth under `rss_growth_limit`,
+    and every greedy output equal to the same request decoded alone (the near-tie rule)."""
+
+    streams: int = Field(16, ge=1, description="users, each with one request in flight")
+    requests_per_stream: int = Field(100, ge=1, description="requests each user sends, one after another")
+    max_tokens: list[int] = Field(default_factory=lambda: [8, 24, 64], min_length=1,
+                                  description="new-token limits the requests cycle through (mixed lengths)")
+    prompt_set: BenchPromptSet = Field("code", description="packaged prompt set the requests cycle through")
+    rss_growth_limit: float = Field(0.05, gt=0, description="largest allowed growth of the server's memory from "
+                                                            "the baseline to the end (0.05 = 5%)")
+    rss_baseline_after: float = Field(0.2, ge=0, lt=1, description="share of the soak's requests done when the "
+                                      "memory baseline is taken: the arenas grow over the first few hundred "
+                                      "requests of a mix and flatten; a leak keeps growing")
+    request_timeout_s: float = Field(600.0, gt=0, description="longest wait for the next response of a request")
+    threads: Threads = Field(THREADS, description="threads of the in-process engines that decode each greedy "
+                                                  "request alone (the reference)")

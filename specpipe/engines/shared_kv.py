@@ -54,7 +54,7 @@ def _kv_names(inputs: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 class SharedKVEngine(Engine):
-    def __init__(self, folder: str | Path, *, threads: int = 2, min_rows: int = 1):
+    def __init__(self, folder: str | Path, *, threads: int = 2, min_rows: int = 1, spinning: bool = True):
         import onnxruntime as ort
 
         from specpipe.engines.onnxruntime import session_options
@@ -66,7 +66,7 @@ class SharedKVEngine(Engine):
         if not model_path.is_file():
             raise EngineError(f"{self.folder} has no {MODEL_FILE}")
         try:
-            self.session = ort.InferenceSession(str(model_path), session_options(threads),
+            self.session = ort.InferenceSession(str(model_path), session_options(threads, spinning=spinning),
                                                 providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
             raise EngineError(f"cannot load {model_path}: {str(exc).splitlines()[0]}") from None

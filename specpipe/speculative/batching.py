@@ -64,6 +64,34 @@ class _Request(RequestState):
     joins: int = 0  # the batched step (a count of steps done) it first takes part in (`_started`)
 
 
+@dataclass
+class StepTrace:
+    """What the scheduler thread did, call by call, for a profile (`BatchScheduler.trace`): each engine call's kind,
+    rows, tokens and wall-clock span (time.perf_counter). Kinds: "prefill" (whole prompts in one call),
+    "prefill-chunk" (part of a long prompt, alone), "decode" (one token for each of `rows` requests), "stopped" (a
+    decode stopped for a newcomer: its work is lost), "draft" (a step's drafting), "verify" (one request's drafts)."""
+
+    calls: list[tuple[str, int, int, float, float]] = field(default_factory=list)  # (kind, rows, tokens, t0, t1)
+    steps: int = 0  # batched steps that emitted tokens
+
+    def record(self, kind: str, rows: int, tokens: int, t0: float) -> None:
+        self.calls.append((kind, rows, tokens, t0, time.perf_counter()))
+
+    def summary(self, window: Optional[tuple[float, float]] = None) -> dict:
+        """Per kind: calls, rows, tokens and seconds, over the calls that started inside `window` (perf_counter
+        span; all when None); `busy_s` the sum, `span_s` first start to last end."""
+        calls = [c for c in self.calls if window is None or window[0] <= c[3] < window[1]]
+        kinds: dict[str, dict] = {}
+        for kind, rows, tokens, t0, t1 in calls:
+            entry = kinds.setdefault(kind, {"calls": 0, "rows": 0, "tokens": 0, "s": 0.0})
+            entry["calls"] += 1
+            entry["rows"] += rows
+            entry["tokens"] += tokens
+            entry["s"] += t1 - t0
+        span = (max(c[4] for c in calls) - min(c[3] for c in calls)) if calls else 0.0
+        return {"kinds": kinds, "busy_s": sum(k["s"] for k in kinds.values()), "span_s": span}
+
+
 class BatchScheduler:
     def __init__(self, target: Engine, drafter: Optional[Drafter], eos_token_ids: Sequence[int] = (),
                  costs: Optional[StepCosts] = None, *, max_batch_size: int = 8, max_queue: int = 64,
@@ -90,6 +118,12 @@ class BatchScheduler:
         self._next_join = 0  # the first step no new request is set to join yet (`_started`)
         self._wake = threading.Condition()
         self._thread: Optional[threading.Thread] = None
+        self.thread_id: Optional[int] = None
+        self.trace: Optional[StepTrace] = None  # set to a StepTrace to record every engine call (a profile)
+
+    def _traced(self, kind: str, rows: int, tokens: int, t0: float) -> None:
+        if self.trace is not None:
+            self.trace.record(kind, rows, tokens, t0)
 
     # ---- the reader's side -------------------------------------------------------------------------
 
@@ -132,6 +166,7 @@ class BatchScheduler:
     # ---- the scheduler's side ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        self.thread_id = threading.get_native_id()  # the kernel's id: a profile reads this thread's CPU time
         while True:
             with self._wake:
                 while not self.waiting and not self.running:
@@ -181,6 +216,8 @@ class BatchScheduler:
         t0 = time.perf_counter()
         proposals = self._propose(ready, ks)
         t1 = time.perf_counter()
+        if any(ks):
+            self._traced("draft", sum(k > 0 for k in ks), sum(len(p.tokens) for p in proposals), t0)
 
         # 3. Verify: one batched call for the requests without drafts, one call each for the others.
         decoding = [i for i, p in enumerate(proposals) if not p.tokens]
@@ -196,13 +233,17 @@ class BatchScheduler:
                 target_logits[i] = logits[j : j + 1]  # [1, vocab]
         for i, proposal in enumerate(proposals):
             if proposal.tokens:
+                tv = time.perf_counter()
                 target_logits[i] = ready[i].row.append([ready[i].context[-1], *proposal.tokens])  # [K+1, vocab]
+                self._traced("verify", 1, len(proposal.tokens) + 1, tv)
         for request in ready:
             request.features_from = len(request.context) - 1  # this step's call ran from the last context token
         t2 = time.perf_counter()
 
         self.steps_run += 1
         self._steps_done += 1
+        if self.trace is not None:
+            self.trace.steps += 1
 
         # 4. Accept or resample; emit; roll each cache back to its accepted tokens.
         for request, proposal, logits in zip(ready, proposals, target_logits):
@@ -218,7 +259,9 @@ class BatchScheduler:
             logits = self.batch.decode([r.row for r in requests], [r.context[-1] for r in requests], preempt)
         except Preempted:
             self.preemptions += 1
+            self._traced("stopped", len(requests), 0, t0)
             raise
+        self._traced("decode", len(requests), len(requests), t0)
         self._preempt.window_s = (time.perf_counter() - t0) / 2  # stop a call only while it is less than half done
         return logits
 
@@ -263,6 +306,7 @@ class BatchScheduler:
         if whole:
             t0 = time.perf_counter()
             logits = self.batch.prefill([r.row for r in whole], [r.context for r in whole])
+            self._traced("prefill", len(whole), taken, t0)
             for i, request in enumerate(whole):
                 request.features_from = 0
                 self._started(request, logits[i : i + 1], time.perf_counter() - t0)
@@ -274,6 +318,7 @@ class BatchScheduler:
             take = min(len(request.context) - start, budget)
             t0 = time.perf_counter()
             logits = request.row.append(request.context[start : start + take])
+            self._traced("prefill-chunk", 1, take, t0)
             budget -= take
             request.features_from = start
             if start + take == len(request.context):
