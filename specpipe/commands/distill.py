@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import get_args
 
 import click
 
 from specpipe.config import field_choices, field_default, field_help, make_config
-from specpipe.distill.config import DistillConfig
+from specpipe.distill.config import DistillConfig, VerdictQuant
 
 
 def _option(name: str, **kwargs):
@@ -48,7 +49,7 @@ def _option(name: str, **kwargs):
 @_option("--ttt-decay", type=float)
 @click.option("--warm-start/--no-warm-start", default=field_default(DistillConfig, "warm_start"), show_default=True,
               help=field_help(DistillConfig, "warm_start"))
-@click.option("--verdict-quant", multiple=True, type=click.Choice(["none", "int8-wo", "int4-wo"]),
+@click.option("--verdict-quant", multiple=True, type=click.Choice(get_args(VerdictQuant)),
               default=field_default(DistillConfig, "verdict_quant"), show_default=True,
               help=field_help(DistillConfig, "verdict_quant") + " (repeatable)")
 @click.option("--init-head", type=click.Path(path_type=Path), default=None, help=field_help(DistillConfig, "init_head"))

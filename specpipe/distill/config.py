@@ -14,6 +14,7 @@ DistillData = Literal["answers", "stdlib"]
 
 
 DistillDtype = Literal["auto", "float32", "bfloat16", "float16"]
+VerdictQuant = Literal["none", "int8-wo", "int4-wo"]  # build's --quant modes the verdict can time a target at
 
 # Training settings whose best value differs by --kind; a DistillConfig field left unset takes its kind's value.
 # eagle3: a ~10M-weight head learns most per token with small batches and a higher rate (docs/eagle3.md measures it).
@@ -77,7 +78,7 @@ class DistillConfig(Strict):
     resume: bool = Field(False, description="continue a stopped run from OUT's saved training state")
     force: bool = Field(False, description="replace an existing OUT")
     threads: Threads = Field(THREADS, description="torch threads")
-    verdict_quant: list[Literal["none", "int8-wo", "int4-wo"]] = Field(
+    verdict_quant: list[VerdictQuant] = Field(
         ["none"], min_length=1, description="target precisions the closing verdict times the target at (build's --quant "
         "modes, none = fp32): a quantized target steps faster, the draft does not; give the ones build will consider"
     )
