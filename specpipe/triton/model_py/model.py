@@ -70,7 +70,8 @@ class TritonPythonModel:
         instance_count = sum(group.get("count", 1) for group in config.get("instance_group", [])) or 1
         engine_dir = Path(__file__).parent / params.engine_dir
         # Worker threads that spin while waiting inside a call take the cores from this process's response
-        # threads, tritonserver and the clients: blocking is 1.3-1.8x faster at 16 streams here (docs/batching.md).
+        # threads, tritonserver and the clients: on a loaded 2-core machine blocking served 16 streams 1.3-1.8x
+        # faster; on a quiet one the two did not differ measurably (docs/batching.md).
         try:
             deployment = load_deployment(engine_dir, threads=params.threads_per_instance(instance_count, os.cpu_count()),
                                          batching=True, max_batch_size=params.max_batch_size or None,
