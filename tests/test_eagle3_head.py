@@ -299,6 +299,10 @@ def test_init_head_trains_a_written_head_further(trained_head, eight_layer_targe
         load_head_weights(other, trained_head.path)
 
     monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "cache"))
+    with monkeypatch.context() as patched:  # a folder that is not a head is refused before the teacher pass
+        patched.setattr("specpipe.distill.run._teacher_data", lambda *a, **k: pytest.fail("teacher pass ran"))
+        with pytest.raises(UsageError, match="init-head"):
+            distill(_cfg(eight_layer_target, tmp_path / "bad", init_head=tmp_path / "not-a-head"))
     result = distill(_cfg(eight_layer_target, tmp_path / "further", init_head=trained_head.path, head_vocab=64,
                           train_tokens=2000))
     assert result.record["training"]["init_head"] == str(trained_head.path)

@@ -248,8 +248,10 @@ def make_head(target, *, feature_layers: Sequence[int], draft_token_ids: torch.T
     return head
 
 
-def head_vocab_size(folder: Path) -> int:
-    """The draft vocabulary size of the head written in `folder` (its config.json), for --init-head."""
+def head_vocab_size(folder: Path, feature_layers: Optional[Sequence[int]] = None) -> int:
+    """The draft vocabulary size of the head written in `folder` (its config.json), for --init-head; refused in one
+    line when `folder` is not such a head, or names other target layers than `feature_layers`. Cheap: called before
+    the teacher pass."""
     from specpipe.checkpoint.eagle3 import read_eagle3_head
     from specpipe.errors import UsageError
 
@@ -257,6 +259,10 @@ def head_vocab_size(folder: Path) -> int:
     if info is None or not info.draft_vocab_size:
         raise UsageError(f"--init-head: {folder} is not an EAGLE-3 head with a draft vocabulary (config.json naming "
                          "LlamaForCausalLMEagle3 and draft_vocab_size)")
+    if feature_layers is not None and info.layers_to_capture is not None and \
+            tuple(info.layers_to_capture) != tuple(feature_layers):
+        raise UsageError(f"--init-head: {folder} reads target layers {list(info.layers_to_capture)}, this run "
+                         f"{list(feature_layers)}")
     return info.draft_vocab_size
 
 

@@ -56,13 +56,13 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     except ValueError as err:
         raise UsageError(f"--feature-layers: {err}") from None
     eos_ids = _eos_ids(target.path, tokenizer)
+    # --init-head keeps that head's draft vocabulary (sized here, before the teacher pass; its ids loaded below)
+    vocab_size = head_vocab_size(cfg.init_head, layers) if cfg.init_head is not None else cfg.head_vocab
 
     precision: dict = {}
     sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress, device, precision, feature_layers=layers)
     train_set, held_out = split_by_prompt(sequences)
     counts = count_tokens(train_set, model.config.vocab_size)
-    # --init-head keeps that head's draft vocabulary (sized here, its ids loaded below)
-    vocab_size = head_vocab_size(cfg.init_head) if cfg.init_head is not None else cfg.head_vocab
     vocab_ids = top_token_ids(counts, vocab_size, always=eos_ids)
     head = make_head(model, feature_layers=layers, draft_token_ids=torch.as_tensor(vocab_ids), warm_start=cfg.warm_start,
                      seed=cfg.seed)
