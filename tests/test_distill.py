@@ -66,10 +66,11 @@ def test_distill_writes_a_checkpoint_that_shares_the_tokenizer(distilled, tiny_t
     assert record["training"]["steps"] >= 1
     assert record["data"]["answer_tokens"] > 0
     assert 0 < record["draft"]["weights_read_per_token_vs_target"] < 1
-    # auto precision: both phases measured both candidates here and kept the faster
-    for phase in ("teacher", "train"):
+    # auto precision: both phases measured every candidate here and kept the faster; the teacher's candidates are
+    # torch in each dtype and the ONNX engine at the verdict's precision (fp32 by default)
+    for phase, names in (("teacher", {"torch float32", "torch bfloat16", "onnx fp32"}), ("train", {"float32", "bfloat16"})):
         choice = record["precision"][phase]
-        assert set(choice["tokens_per_s"]) == {"float32", "bfloat16"}
+        assert set(choice["tokens_per_s"]) == names
         assert choice["dtype"] == max(choice["tokens_per_s"], key=choice["tokens_per_s"].get)
     assert record["device"] == "cpu"
     verdict = record["verdict"]  # the one-line verdict's numbers
@@ -134,7 +135,8 @@ def test_work_budgets_give_the_same_draft_whatever_was_cached(tiny_target, tmp_p
     data and the same weights, also when the cache holds answers from a run with a larger budget."""
     from specpipe.distill import distill
 
-    budgets = dict(answer_tokens=60, train_tokens=1500, minutes=30, teacher_dtype="float32", train_dtype="float32")
+    budgets = dict(answer_tokens=60, train_tokens=1500, minutes=30, teacher_engine="torch", teacher_dtype="float32",
+                   train_dtype="float32")
     monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "fresh"))
     fresh = distill(_tiny_cfg(tiny_target, tmp_path / "fresh-draft", **budgets))
     monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "reused"))
@@ -210,11 +212,12 @@ def test_teacher_data_is_cached_and_restart_continues(tiny_target, cache, tmp_pa
         def log(self, message):
             self.messages.append(message)
 
-    # The cache is keyed by the teacher's precision. "auto" measures it, and where fp32 and bf16 run about as
-    # fast (AVX512-BF16 CPUs) two runs may choose differently: this test states the cache rule, so it fixes it.
-    distill(_tiny_cfg(tiny_target, tmp_path / "a", teacher_dtype="float32"))
+    # The cache is keyed by the teacher and its precision. "auto" measures them, and where two run about as fast
+    # (fp32 and bf16 on AVX512-BF16 CPUs) two runs may choose differently: this test states the cache rule, so it
+    # fixes the teacher.
+    distill(_tiny_cfg(tiny_target, tmp_path / "a", teacher_engine="torch", teacher_dtype="float32"))
     notes = Notes()
-    distill(_tiny_cfg(tiny_target, tmp_path / "b", teacher_dtype="float32"), notes)
+    distill(_tiny_cfg(tiny_target, tmp_path / "b", teacher_engine="torch", teacher_dtype="float32"), notes)
     assert "teacher" not in notes.phases and any("cached target answers" in m for m in notes.messages)
 
     # A stopped run's state is picked up again: same step, same weights.
@@ -238,12 +241,13 @@ def test_teacher_data_is_cached_and_restart_continues(tiny_target, cache, tmp_pa
 
 
 def test_auto_teacher_precision_reuses_data_cached_whole_in_either_dtype(tiny_target, cache, tmp_path, monkeypatch):
-    """Teacher data made in bfloat16 (as asked) is reused by a run with --teacher-dtype auto without measuring: a
-    measurement could pick float32 where both run about as fast, and miss the cache. Nothing cached: it measures."""
+    """Teacher data made by torch in bfloat16 (as asked) is reused by a run with --teacher-engine and --teacher-dtype
+    auto without measuring: a measurement could pick another teacher where two run about as fast, and miss the cache.
+    Nothing cached: it measures."""
     from specpipe.distill import distill
     from specpipe.distill import precision
 
-    distill(_tiny_cfg(tiny_target, tmp_path / "a", teacher_dtype="bfloat16"))
+    distill(_tiny_cfg(tiny_target, tmp_path / "a", teacher_engine="torch", teacher_dtype="bfloat16"))
     measured = []
     original = precision.choose_precision
 
@@ -253,7 +257,7 @@ def test_auto_teacher_precision_reuses_data_cached_whole_in_either_dtype(tiny_ta
 
     monkeypatch.setattr(precision, "choose_precision", choose)
     result = distill(_tiny_cfg(tiny_target, tmp_path / "b"))
-    assert "teacher" not in measured and result.record["precision"]["teacher"]["dtype"] == "bfloat16"
+    assert "teacher" not in measured and result.record["precision"]["teacher"]["dtype"] == "torch bfloat16"
     distill(_tiny_cfg(tiny_target, tmp_path / "c", max_answer_tokens=10))  # other settings: nothing cached
     assert "teacher" in measured
 
@@ -359,7 +363,7 @@ def test_distill_on_cuda_answers_and_trains_on_the_gpu(tiny_target, cache, tmp_p
                                minutes=10))
     record = result.record
     assert record["device"].startswith("cuda")
-    assert set(record["precision"]["teacher"]["tokens_per_s"]) == {"float32", "bfloat16", "float16"}
+    assert set(record["precision"]["teacher"]["tokens_per_s"]) == {"torch float32", "torch bfloat16", "torch float16"}
     assert record["training"]["tokens_seen"] >= 1500
     history = record["training"]["history"]
     assert not history or history[-1][2] < history[0][2] or record["training"]["steps"] < 20

@@ -131,11 +131,11 @@ def test_auto_precision_on_this_isa():
     """The real probe on whatever ISA torch runs here (this CPU's, or forced to AVX2): both candidates are
     timed and the faster one is kept. Which one is faster is this machine's fact, not torch's promise (bf16
     is emulated on AVX2-only CPUs and native with AVX512-BF16), so the test asserts the rule, not the winner."""
-    from specpipe.distill.run import _Teachers
+    from specpipe.distill.teachers import Teacher, Teachers
 
-    teachers = _Teachers(_smollm2_shaped_model(), CPU)
+    teachers = Teachers(_smollm2_shaped_model(), CPU)
     prompts = [list(range(10, 30)), list(range(40, 60))]
-    choice = choose_precision("teacher", "auto", CPU, lambda dtype: teachers.probe(dtype, prompts))
+    choice = choose_precision("teacher", "auto", CPU, lambda dtype: teachers.probe(Teacher("torch", dtype), prompts))
     assert set(choice.tokens_per_s) == {"float32", "bfloat16"} and all(r > 0 for r in choice.tokens_per_s.values())
     assert choice.dtype == max(choice.tokens_per_s, key=choice.tokens_per_s.get), choice.describe()
 

@@ -34,6 +34,7 @@ def _option(name: str, **kwargs):
 @click.option("--prompts", type=click.Path(path_type=Path), default=None, help=field_help(DistillConfig, "prompts"))
 @_option("--max-answer-tokens", type=int)
 @_option("--answer-batch", type=int)
+@_option("--teacher-engine", type=click.Choice(field_choices(DistillConfig, "teacher_engine")))
 @_option("--teacher-dtype", type=click.Choice(field_choices(DistillConfig, "teacher_dtype")))
 @_option("--train-dtype", type=click.Choice(field_choices(DistillConfig, "train_dtype")))
 @_option("--device", type=click.Choice(field_choices(DistillConfig, "device")))
@@ -67,7 +68,8 @@ def distill(as_json: bool, data, **options) -> None:
     Budgets: --minutes alone spends that much time (a faster machine gets a better draft);
     --answer-tokens and --train-tokens fix the work instead (the same draft on any machine), with
     --minutes as a cap. Precision (--teacher-dtype, --train-dtype) is chosen by timing fp32 and
-    bf16 on this machine for about a second each, unless given.
+    bf16 on this machine for about a second each, unless given; so is the teacher (--teacher-engine):
+    the target in torch, or as the ONNX Runtime engine build deploys, at each --verdict-quant precision.
 
     \b
     Example:

@@ -61,8 +61,15 @@ class DistillConfig(Strict):
     answer_batch: int = Field(48, ge=1, description="prompts the target answers at once")
     sample_temperature: float = Field(0.7, gt=0.0, description="temperature of answers after the greedy first pass")
     teacher_top_k: int = Field(32, ge=1, description="target probabilities kept per position")
+    teacher_engine: Literal["auto", "torch", "onnx"] = Field(
+        "auto", description="what answers the training prompts: torch: the checkpoint in transformers, in --teacher-dtype; "
+        "onnx: the target as build exports it, in ONNX Runtime (batched KV-cache decoding, the deployed target's own "
+        "distributions and features; CPU, --data answers), at each --verdict-quant precision (the engines the verdict "
+        "times, exported once); auto: time a short probe of each on this machine and keep the fastest"
+    )
     teacher_dtype: DistillDtype = Field(
-        "auto", description="precision the target answers in; auto: time each on this machine for a second, keep the faster"
+        "auto", description="precision the torch teacher answers in; auto: time each on this machine for a second, keep "
+        "the faster"
     )
     train_dtype: DistillDtype = Field(
         "auto", description="precision of the draft's training matmuls (autocast; weights stay fp32); auto: measured as above"

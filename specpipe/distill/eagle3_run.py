@@ -43,6 +43,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     from specpipe.distill.eagle3 import head_vocab_size, load_head_weights, make_head
     from specpipe.distill.eagle3_train import HeadTrainer
     from specpipe.distill.run import STATE_DIR, DistillResult, _eos_ids, _teacher_data, open_target, set_train_precision
+    from specpipe.distill.verdict import ExportedTargets
     from specpipe.export.features import check_layers, default_layers
     from specpipe.machine import describe_machine
 
@@ -59,8 +60,12 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     # --init-head keeps that head's draft vocabulary (sized here, before the teacher pass; its ids loaded below)
     vocab_size = head_vocab_size(cfg.init_head, layers) if cfg.init_head is not None else cfg.head_vocab
 
+    # the target as build exports it (with the feature outputs), once per precision: an ONNX teacher answers on one,
+    # the verdict times them all (a temporary folder, removed at the end; if the run dies, when the process exits)
+    targets = ExportedTargets(target.path, layers)
     precision: dict = {}
-    sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress, device, precision, feature_layers=layers)
+    sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress, device, precision, feature_layers=layers,
+                              targets=targets)
     train_set, held_out = split_by_prompt(sequences)
     counts = count_tokens(train_set, model.config.vocab_size)
     vocab_ids = top_token_ids(counts, vocab_size, always=eos_ids)
@@ -130,11 +135,12 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
 
         progress.log("timing the target (ONNX Runtime) and the head (its CPU engine) for the verdict")
         record["verdict"] = {**measured_verdict(acceptance or 0.0, target.path, threads=cfg.threads, head=folder,
-                                                feature_layers=layers, quants=cfg.verdict_quant),
+                                                feature_layers=layers, quants=cfg.verdict_quant, targets=targets),
                              "agreement_on": "held-out answers, position 1" if chain else "no held-out answers"}
         progress.log(verdict_line(record["verdict"]))
 
     _write_head(head, out, record, before_move=judge)
+    targets.close()
     shutil.rmtree(out / STATE_DIR, ignore_errors=True)
     return DistillResult(out, record)
 

@@ -30,7 +30,7 @@ class PrecisionChoice:
     """What one phase runs in, and the measured throughput (tokens/s) of every candidate."""
 
     phase: str  # "teacher" | "train"
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16"; the teacher's: its name, "torch bfloat16" | "onnx int8-wo" | ...
     tokens_per_s: dict  # candidate dtype -> measured tokens/s ({} when the user fixed the dtype)
 
     def as_dict(self) -> dict:
@@ -96,11 +96,13 @@ def compare(calls: dict, device: torch.device, seconds: float = PROBE_SECONDS) -
 
 
 def choose_precision(phase: str, requested: str, device: torch.device, make_call: Callable[[str], Callable[[], int]],
-                     options: Optional[list[str]] = None, measure: Callable[..., dict] = compare) -> PrecisionChoice:
+                     options: Optional[list[str]] = None, measure: Callable[..., dict] = compare,
+                     names: Optional[list[str]] = None) -> PrecisionChoice:
     """`requested` is a dtype name or "auto"; `make_call(dtype)` gives a call doing the phase's real work
-    in that dtype (returning the tokens it processed); `options` narrows the device's candidates."""
+    in that dtype (returning the tokens it processed); `options` narrows the device's candidates; `names` replaces
+    them (the teacher's candidates are teachers, distill/teachers.py)."""
     if requested != "auto":
         return PrecisionChoice(phase, requested, {})
-    names = [name for name in candidates(device) if options is None or name in options]
+    names = names or [name for name in candidates(device) if options is None or name in options]
     rates = measure({name: make_call(name) for name in names}, device)
     return PrecisionChoice(phase, max(rates, key=rates.get), rates)

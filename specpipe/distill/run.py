@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -57,13 +56,14 @@ def _nearest_existing_parent(path: Path) -> Path:
     return path
 
 
-def _teacher_cache_key(cfg: DistillConfig, target, prompts: list[dict], source: str, dtype: str, device,
+def _teacher_cache_key(cfg: DistillConfig, target, prompts: list[dict], source: str, teacher, device,
                        feature_layers: tuple[int, ...] = ()) -> dict:
+    """teacher: a teachers.Teacher (torch in a dtype, or the ONNX engine at a precision)."""
     import hashlib
 
     prompts_hash = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
     key = {"format": 1, "source": source, "target_weights": target.weights_sha256, "prompts": prompts_hash,
-           "max_answer_tokens": cfg.max_answer_tokens, "top_k": cfg.teacher_top_k, "dtype": dtype,
+           "max_answer_tokens": cfg.max_answer_tokens, "top_k": cfg.teacher_top_k, **teacher.cache_key(),
            "sample_temperature": cfg.sample_temperature, "batch": cfg.answer_batch, "seed": cfg.seed}
     if device.type != "cpu":  # kernels differ by device; CPU keys stay as they were (caches remain valid)
         key["device"] = device.type
@@ -88,107 +88,77 @@ def _read_prompts(path: Path) -> list[dict]:
     return prompts
 
 
-class _Teachers:
-    """The target in each precision asked for, made once: fp32 on the CPU is the loaded model itself (kept
-    exact for initialising the draft); others are copies."""
-
-    def __init__(self, model, device):
-        self.model, self.device, self.made = model, device, {}
-
-    def __call__(self, dtype: str):
-        import torch
-
-        if dtype not in self.made:
-            if dtype == "float32" and self.device.type == "cpu":
-                self.made[dtype] = self.model
-            else:
-                teacher = copy.deepcopy(self.model).to(device=self.device, dtype=getattr(torch, dtype))
-                # Batched answers are left-padded, so attention runs with a mask; in bf16 on CPU torch's SDPA
-                # then takes a slow path (batch 48, 200-token context: 251 ms/step vs 161 ms eager; fp32: equal).
-                teacher.set_attn_implementation("eager")
-                self.made[dtype] = teacher
-        return self.made[dtype]
-
-    def probe(self, dtype: str, prompt_ids: list[list[int]]):
-        """A forward pass over a few real prompts' first tokens: the teacher's matmul shapes, briefly."""
-        import torch
-
-        rows = torch.tensor([ids[:8] for ids in prompt_ids[:2] if len(ids) >= 8] or [[0] * 8], device=self.device)
-
-        def call() -> int:
-            with torch.inference_mode():
-                self(dtype)(input_ids=rows)
-            return rows.numel()
-
-        return call
-
-    def release(self) -> None:
-        self.made.clear()
-
-
 def _answers_complete(cache, cfg: DistillConfig, budget_s: float) -> bool:
     """The cached answers cover the budget: the work budget's answer tokens, else the time budget."""
     return cache.answer_tokens >= cfg.answer_tokens if cfg.answer_tokens else cache.seconds >= budget_s
 
 
-def _cached_precision(cfg: DistillConfig, root: Path, target, prompts: list[dict], device, feature_layers: tuple[int, ...],
-                      budget_s: float):
-    """With --teacher-dtype auto: the candidate dtype whose teacher data is already cached whole for these settings, or
-    None. Measuring again could pick the other candidate where the two run about as fast (seen with AVX512-BF16),
-    and the cache, keyed by dtype, would then be made again (minutes of target answers)."""
-    from specpipe.distill.precision import PrecisionChoice, candidates
+def _cached_teacher(cfg: DistillConfig, root: Path, target, prompts: list[dict], device, feature_layers: tuple[int, ...],
+                    budget_s: float, candidates: list):
+    """With more than one candidate teacher (--teacher-engine or --teacher-dtype auto): the candidate whose teacher
+    data is already cached whole for these settings, or None. Measuring again could pick another candidate where two
+    run about as fast (seen with AVX512-BF16), and the cache, keyed by the teacher, would then be made again
+    (minutes of target answers)."""
+    from specpipe.distill.precision import PrecisionChoice
     from specpipe.distill.teacher import TeacherCache
 
-    if cfg.teacher_dtype != "auto":
+    if len(candidates) < 2:
         return None
-    for dtype in candidates(device):
+    for teacher in candidates:
         complete = True
         if "answers" in cfg.data:
-            cache = TeacherCache.existing(root, _teacher_cache_key(cfg, target, prompts, "answers", dtype, device,
+            cache = TeacherCache.existing(root, _teacher_cache_key(cfg, target, prompts, "answers", teacher, device,
                                                                    feature_layers))
             complete = cache is not None and _answers_complete(cache, cfg, budget_s)
         if complete and "stdlib" in cfg.data:
-            cache = TeacherCache.existing(root, _teacher_cache_key(cfg, target, [], "stdlib", dtype, device))
+            cache = TeacherCache.existing(root, _teacher_cache_key(cfg, target, [], "stdlib", teacher, device))
             complete = cache is not None and cache.seconds >= budget_s
         if complete:
-            return PrecisionChoice("teacher", dtype, {})
+            return PrecisionChoice("teacher", teacher.name, {})
     return None
 
 
 def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int], progress: DistillProgress,
-                  device, precision: dict, feature_layers: tuple[int, ...] = ()):
+                  device, precision: dict, feature_layers: tuple[int, ...] = (), targets=None):
     """Generate (or reuse) the target's answers and, if asked, labelled stdlib text. Returns sequences.
-    Sets precision["teacher"] to the PrecisionChoice it used. `feature_layers`: the answers also carry the
-    target's residual stream after those layers (EAGLE-3 features, recorded in the same forward passes)."""
+    Sets precision["teacher"] to the PrecisionChoice it used (its dtype: the teacher's name, teachers.Teacher).
+    `feature_layers`: the answers also carry the target's residual stream after those layers (EAGLE-3 features,
+    recorded in the same forward passes). `targets`: the run's exported targets (verdict.ExportedTargets), which an
+    ONNX teacher answers on; made here for this call when not given."""
     from specpipe.checkpoint import cache_dir
-    from specpipe.distill.precision import choose_precision
     from specpipe.distill.prompts import training_prompts
     from specpipe.distill.teacher import TeacherCache, generate_teacher_data, label_text, stdlib_windows
+    from specpipe.distill.teachers import PROBE_ROWS, Teacher, Teachers, choose_teacher, teacher_candidates
+    from specpipe.distill.verdict import ExportedTargets
 
     budget_s = cfg.minutes * 60 * cfg.data_fraction / len(cfg.data)
     root = cache_dir() / "distill-data"
     sequences = []
-    teachers = _Teachers(model, device)
+    own_targets = targets is None
+    targets = targets or ExportedTargets(target.path, feature_layers)
+    teachers = Teachers(model, device, targets=targets, threads=cfg.threads, batch_rows=cfg.answer_batch,
+                        top_k=cfg.teacher_top_k, feature_layers=feature_layers)
     prompts = (_read_prompts(cfg.prompts) if cfg.prompts else []) + training_prompts(cfg.seed)
-    probe_ids = [tokenizer(p["prompt"])["input_ids"] for p in prompts[:2]]
-    choice = _cached_precision(cfg, root, target, prompts, device, feature_layers, budget_s)
+    candidates = teacher_candidates(cfg.teacher_engine, cfg.teacher_dtype, device, cfg.verdict_quant, cfg.data)
+    choice = _cached_teacher(cfg, root, target, prompts, device, feature_layers, budget_s, candidates)
     if choice is not None:
         progress.log(f"precision teacher: {choice.dtype} (the teacher data cached whole for these settings was made "
-                     "in it; not measured again)")
+                     "by it; not measured again)")
     else:
-        choice = choose_precision("teacher", cfg.teacher_dtype, device, lambda dtype: teachers.probe(dtype, probe_ids))
+        probe_ids = [tokenizer(p["prompt"])["input_ids"] for p in prompts[:PROBE_ROWS]]
+        choice = choose_teacher(candidates, device, lambda teacher: teachers.probe(teacher, probe_ids))
         progress.log(f"precision {choice.describe()}")
     precision["teacher"] = choice
-    dtype = choice.dtype
+    teacher = Teacher.parse(choice.dtype)
 
     if "answers" in cfg.data:
-        cache = TeacherCache.for_settings(root, _teacher_cache_key(cfg, target, prompts, "answers", dtype, device,
+        cache = TeacherCache.for_settings(root, _teacher_cache_key(cfg, target, prompts, "answers", teacher, device,
                                                                    feature_layers))
         budget_tokens = cfg.answer_tokens
         if not _answers_complete(cache, cfg, budget_s):
             # With a work budget the bar counts answer tokens, so its ETA comes from the measured rate.
             total = budget_tokens or budget_s
-            progress.phase("teacher", total, f"target answers ({dtype})")
+            progress.phase("teacher", total, f"target answers ({teacher.name})")
             made = {"tokens": 0}
 
             def done_so_far() -> float:
@@ -201,7 +171,7 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
 
             progress.update(done_so_far(), answers=cache.answered)
             generate_teacher_data(
-                teachers(dtype), tokenizer, cache, prompts, budget_s=budget_s, budget_tokens=budget_tokens,
+                teachers.answerer(teacher), tokenizer, cache, prompts, budget_s=budget_s, budget_tokens=budget_tokens,
                 batch_size=cfg.answer_batch, max_new_tokens=cfg.max_answer_tokens, eos_token_ids=eos_ids,
                 top_k=cfg.teacher_top_k, sample_temperature=cfg.sample_temperature, seed=cfg.seed, on_batch=on_batch,
                 feature_layers=feature_layers,
@@ -214,9 +184,9 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
                          f"{cache.seconds:.0f} s of generation)")
         sequences += cache.load(max_answer_tokens=budget_tokens)
 
-    if "stdlib" in cfg.data:
-        teacher_model = lambda: teachers(dtype)  # noqa: E731
-        cache = TeacherCache.for_settings(root, _teacher_cache_key(cfg, target, [], "stdlib", dtype, device))
+    if "stdlib" in cfg.data:  # torch only (teacher_candidates)
+        teacher_model = lambda: teachers.torch_model(teacher.precision)  # noqa: E731
+        cache = TeacherCache.for_settings(root, _teacher_cache_key(cfg, target, [], "stdlib", teacher, device))
         if cache.seconds < budget_s:
             progress.phase("stdlib", budget_s, "stdlib labels")
             for window in stdlib_windows(tokenizer, window=256, seed=cfg.seed + cache.answered):
@@ -228,6 +198,8 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
                     break
         sequences += cache.load()
     teachers.release()
+    if own_targets:
+        targets.close()
     return sequences
 
 
@@ -269,16 +241,19 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
     from specpipe.distill.student import draft_cost_ratio, make_student
     from specpipe.distill.train import Trainer
 
-    from specpipe.distill.verdict import measured_verdict, verdict_line
+    from specpipe.distill.verdict import ExportedTargets, measured_verdict, verdict_line
     from specpipe.machine import describe_machine
 
     progress = progress or SilentProgress()
     started = time.perf_counter()
     out, device, target, tokenizer, model = open_target(cfg)
     eos_ids = _eos_ids(target.path, tokenizer)
+    # the target as build exports it, once per precision: an ONNX teacher answers on one, the verdict times them all
+    # (a temporary folder, removed at the end; if the run dies, when the process exits)
+    targets = ExportedTargets(target.path)
 
     precision: dict = {}
-    sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress, device, precision)
+    sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress, device, precision, targets=targets)
     held_out = [s for i, s in enumerate(sequences) if s.prompt_len and i % 20 == 19][:HELD_OUT_MAX]
     held_ids = {id(s) for s in held_out}
     train_set = [s for s in sequences if id(s) not in held_ids] or sequences
@@ -342,12 +317,13 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
     def judge(folder: Path) -> None:  # the written draft, exported and timed as an engine beside the target
         progress.log("timing the target and the draft as ONNX Runtime engines for the verdict")
         record["verdict"] = {**measured_verdict(acceptance, target.path, threads=cfg.threads, draft=folder,
-                                                quants=cfg.verdict_quant),
+                                                quants=cfg.verdict_quant, targets=targets),
                              "agreement_on": measured_on}
         progress.log(verdict_line(record["verdict"]))
 
     counts = count_tokens(sequences, model.config.vocab_size)  # what the draft learned to predict
     _write_checkpoint(student, tokenizer, target.path, out, record, counts, before_move=judge)
+    targets.close()
     shutil.rmtree(out / STATE_DIR, ignore_errors=True)
     return DistillResult(out, record)
 

@@ -5,7 +5,11 @@ computes while generating are exactly the teacher's distributions along its own 
 kept (top-k log-probabilities) and no second teacher pass is needed. Epochs over the data are then
 cheap: the target is never run during training.
 
-Data is written in shards to a cache folder keyed by the target's weights and the generation settings,
+Two teachers give the same records: `answer_prompts` runs the checkpoint in torch (left-padded batch, transformers'
+KV cache); `answer_prompts_onnx` runs the target as `build` deploys it, an ONNX Runtime engine over a shared KV buffer
+(engines/shared_kv.py), so its distributions and features are those the head reads when serving.
+
+Data is written in shards to a cache folder keyed by the target's weights, the teacher and the generation settings,
 so an interrupted run resumes generating where it stopped and a rerun reuses what exists.
 """
 
@@ -225,6 +229,81 @@ def answer_prompts(
     return sequences
 
 
+def answer_prompts_onnx(
+    batch,
+    prompt_ids: list[list[int]],
+    *,
+    kinds: list[str],
+    max_new_tokens: int,
+    eos_token_ids: set[int],
+    top_k: int,
+    temperature: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    feature_layers: Sequence[int] = (),
+    deadline: Optional[float] = None,
+    pad_token_id: Optional[int] = None,  # unused: rows are never padded here (answer_prompts' signature)
+) -> list[TeacherSequence]:
+    """`answer_prompts` on the target's ONNX Runtime engine: the same records, from an empty `batch` (a KVBatch of
+    an engine exported with `feature_layers` when those are asked for; it is empty again on return).
+
+    One `prefill` call runs every row's prompt (right padding; the logits of every prompt position come back), then
+    one `decode` call per step runs the rows still answering. A row that has its answer (EOS, max_new_tokens, the
+    deadline) is released at once, so calls shrink as answers end, and its last token is never run: nothing reads
+    what the target would say after it (answer_prompts keeps no row for it either).
+    """
+    import numpy as np
+
+    if feature_layers and tuple(feature_layers) != tuple(batch.engine.feature_layers):
+        raise ValueError(f"the engine outputs features of layers {list(batch.engine.feature_layers)}, "
+                         f"not {list(feature_layers)}")
+    rows = [batch.new_sequence() for _ in prompt_ids]
+    for row in rows if feature_layers else ():
+        row.keep_features()
+    prompt_logits = batch.prefill(rows, prompt_ids, every_position=True)  # per row [P, vocab]
+    prompt_tops = [_top_k(torch.from_numpy(logits), top_k) for logits in prompt_logits]
+    prompt_features = [torch.from_numpy(row.features).to(torch.float16) for row in rows] if feature_layers else None
+    logits = torch.from_numpy(np.stack([row_logits[-1] for row_logits in prompt_logits]))  # [running, vocab]
+    del prompt_logits
+
+    answers: list[list[int]] = [[] for _ in rows]
+    answer_tops: list[list[tuple]] = [[] for _ in rows]  # rows for answer tokens 2.. (the prompt's last row is the 1st)
+    answer_features: list[list[torch.Tensor]] = [[] for _ in rows]
+    running = list(range(len(rows)))  # indices into rows, in the order of `logits`
+    while running:
+        if temperature > 0:
+            tokens = torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1, generator=generator)[:, 0]
+        else:
+            tokens = logits.argmax(-1)
+        for i, token in zip(running, tokens.tolist()):
+            answers[i].append(int(token))
+        finished = [i for i in running if answers[i][-1] in eos_token_ids or len(answers[i]) >= max_new_tokens]
+        for i in finished:
+            batch.release(rows[i])
+        running = [i for i in running if i not in set(finished)]
+        if not running:
+            break
+        if deadline is not None and time.perf_counter() >= deadline:  # every row keeps its answer as far as it got
+            break
+        logits = torch.from_numpy(batch.decode([rows[i] for i in running], [answers[i][-1] for i in running]))
+        ids, logprobs = _top_k(logits, top_k)
+        for j, i in enumerate(running):
+            answer_tops[i].append((ids[j], logprobs[j]))
+            if feature_layers:
+                answer_features[i].append(torch.from_numpy(rows[i].features).to(torch.float16))
+    for i in running:
+        batch.release(rows[i])
+
+    sequences = []
+    for i, ids in enumerate(prompt_ids):
+        token_ids = torch.tensor(list(ids) + answers[i], dtype=torch.long)
+        top_ids = torch.cat([prompt_tops[i][0]] + [t[0][None] for t in answer_tops[i]])
+        top_lp = torch.cat([prompt_tops[i][1]] + [t[1][None] for t in answer_tops[i]])
+        features = torch.cat([prompt_features[i]] + answer_features[i]) if feature_layers else None
+        assert len(top_ids) == len(token_ids) - 1  # row t predicts token t+1; the last token's row is never made
+        sequences.append(TeacherSequence(token_ids, top_ids, top_lp, len(ids), kinds[i], features))
+    return sequences
+
+
 @torch.inference_mode()
 def label_text(model, token_ids: list[int], *, top_k: int, kind: str) -> TeacherSequence:
     """Teacher distributions along a given text (no generation): one forward pass."""
@@ -248,7 +327,7 @@ def stdlib_windows(tokenizer, *, window: int, seed: int) -> Iterable[list[int]]:
 
 
 def generate_teacher_data(
-    model,
+    answer: Callable[..., list[TeacherSequence]],
     tokenizer,
     cache: TeacherCache,
     prompts: list[dict],
@@ -264,7 +343,8 @@ def generate_teacher_data(
     on_batch: Callable[[int, float], None] = lambda tokens, seconds: None,
     feature_layers: Sequence[int] = (),
 ) -> None:
-    """Answer prompts in order until the cache holds `budget_tokens` answer tokens (a work budget: the
+    """Answer prompts in order with `answer` (answer_prompts with its model, or answer_prompts_onnx with its
+    batch, the first argument bound) until the cache holds `budget_tokens` answer tokens (a work budget: the
     same answers on any machine), or, without one, until its generation time reaches `budget_s`. With a
     work budget, `budget_s` caps this call's time.
 
@@ -291,8 +371,8 @@ def generate_teacher_data(
                                              tokenize=True) for p in chosen]
         generator = torch.Generator().manual_seed(seed * 100003 + start)
         t0 = time.perf_counter()
-        sequences = answer_prompts(
-            model, ids, kinds=[p["kind"] for p in chosen], max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+        sequences = answer(
+            ids, kinds=[p["kind"] for p in chosen], max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
             pad_token_id=pad, top_k=top_k, temperature=0.0 if round_index == 0 else sample_temperature,
             generator=generator, feature_layers=feature_layers, deadline=deadline,
         )

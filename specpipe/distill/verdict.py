@@ -63,16 +63,51 @@ def export_engine(checkpoint: Path, out: Path, *, feature_layers: Sequence[int] 
     return out
 
 
+class ExportedTargets:
+    """A target exported as `build` exports it (export_engine), at most once per precision, for one distill run: the
+    ONNX teacher answers on one of them and the verdict times them all. The folders live in a temporary folder until
+    `close()` (or under `root`, kept)."""
+
+    def __init__(self, checkpoint: Path, feature_layers: Sequence[int] = (), root: Optional[Path] = None):
+        self.checkpoint, self.feature_layers = Path(checkpoint), tuple(int(i) for i in feature_layers)
+        self._tmp = None if root is not None else tempfile.TemporaryDirectory(prefix="specpipe-targets-")
+        self.root = Path(root) if root is not None else Path(self._tmp.name)
+        self.folders: dict[str, Path] = {}
+
+    def folder(self, quant: str) -> Path:
+        """The engine folder of the target at `quant` (a build --quant mode; none = fp32), exported on first ask."""
+        if quant not in self.folders:
+            self.folders[quant] = export_engine(self.checkpoint, self.root / f"target-{quant}",
+                                                feature_layers=self.feature_layers, quant=quant)
+        return self.folders[quant]
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+        self.folders.clear()
+
+    def __enter__(self) -> "ExportedTargets":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, head: Optional[Path] = None,
-                 feature_layers: Sequence[int] = (), quant: str = "none") -> tuple[StepCosts, dict]:
+                 feature_layers: Sequence[int] = (), quant: str = "none",
+                 targets: Optional[ExportedTargets] = None) -> tuple[StepCosts, dict]:
     """Step costs, as fractions of a step of the target at `quant`, of the engines that will run: a model `draft`
     checkpoint, or an EAGLE-3 `head` folder reading the target's `feature_layers`. Returns the costs and the
-    milliseconds behind them."""
+    milliseconds behind them. `targets`: the run's exported targets (exported here when missing)."""
     from specpipe.engines import load_engine
     from specpipe.engines.timing import step_ms
 
+    if targets is not None and (targets.checkpoint != Path(target) or targets.feature_layers != tuple(feature_layers)):
+        raise ValueError(f"the exported targets are {targets.checkpoint} with features {list(targets.feature_layers)}, "
+                         f"not {target} with {list(feature_layers)}")
     with tempfile.TemporaryDirectory(prefix="specpipe-verdict-") as tmp:
-        target_dir = export_engine(target, Path(tmp) / "target", feature_layers=feature_layers, quant=quant)
+        exported = targets or ExportedTargets(target, feature_layers, root=Path(tmp))
+        target_dir = exported.folder(quant)
         engine = load_engine(target_dir, threads=threads)
         one = step_ms(engine, 1, context_len=CONTEXT_TOKENS, repeats=REPEATS)
         many = step_ms(engine, 1 + VERIFY_TOKENS, context_len=CONTEXT_TOKENS, repeats=REPEATS)
@@ -105,17 +140,18 @@ def verdict(agreement: float, costs: StepCosts, *, kind: str = "model", timings:
 
 def measured_verdict(agreement: float, target: Path, *, threads: int, draft: Optional[Path] = None,
                      head: Optional[Path] = None, feature_layers: Sequence[int] = (),
-                     quants: Sequence[str] = ("none",)) -> dict:
+                     quants: Sequence[str] = ("none",), targets: Optional[ExportedTargets] = None) -> dict:
     """The verdict with the engines' costs measured here, once per target precision in `quants`: the least
     prediction leads (the build may pick any of them), each one under `by_target_quant`. When an engine cannot be
-    made, a verdict that says it cannot predict and why (agreement kept)."""
+    made, a verdict that says it cannot predict and why (agreement kept). `targets`: the run's exported targets
+    (those the ONNX teacher answered on are not exported again)."""
     from specpipe.errors import SpecpipeError
 
     by_quant = {}
     for quant in dict.fromkeys(quants):
         try:
             costs, timings = engine_costs(target, threads=threads, draft=draft, head=head, feature_layers=feature_layers,
-                                          quant=quant)
+                                          quant=quant, targets=targets)
         except (SpecpipeError, OSError, ValueError, RuntimeError) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             return {"agreement": round(agreement, 4), "predicted_speedup": None,

@@ -1,0 +1,142 @@
+"""Who answers the training prompts: the target in torch (a dtype) or as the ONNX Runtime engine `build` deploys (a
+weight precision), chosen by timing each on this machine.
+
+The torch teacher runs the checkpoint through transformers; the ONNX teacher runs the graph build exports (the model
+builder's, GroupQueryAttention over a shared KV buffer, engines/shared_kv.py), at the precisions the closing verdict
+times (`--verdict-quant`: the ones build will consider), from the same exported folders (verdict.ExportedTargets: one
+export per precision per run). Both give the same records (distill/teacher.py); the ONNX one's distributions and
+features are the deployed target's own, and on a CPU its int8 weight-only engine decodes a batch several times faster
+than torch does (docs/eagle3.md, "the teacher").
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from specpipe.errors import UsageError
+
+# The probe: a small batch answering a few tokens, the teacher's real work (a prefill, then batched decode steps) in
+# little time. Rows and lengths are the probe's, not the run's: it ranks the candidates, it does not predict the rate.
+PROBE_ROWS = 16
+PROBE_PROMPT_TOKENS = 16
+PROBE_NEW_TOKENS = 8
+QUANT_NAMES = {"none": "fp32"}  # a build --quant mode as a teacher's name says it
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """One candidate: `engine` "torch" with a torch dtype, or "onnx" with a build --quant mode ("none" = fp32)."""
+
+    engine: str
+    precision: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine} {QUANT_NAMES.get(self.precision, self.precision)}"
+
+    @classmethod
+    def parse(cls, name: str) -> "Teacher":
+        engine, precision = name.split(" ", 1)
+        if engine == "onnx":
+            precision = {v: k for k, v in QUANT_NAMES.items()}.get(precision, precision)
+        return cls(engine, precision)
+
+    def cache_key(self) -> dict:
+        """What the teacher cache's key says about the teacher. torch keys stay as they were (`dtype`), so torch
+        teacher caches made before the ONNX teacher existed stay valid."""
+        if self.engine == "torch":
+            return {"dtype": self.precision}
+        return {"teacher": {"engine": "onnxruntime", "graph": "model builder, shared KV", "quant": self.precision}}
+
+
+def teacher_candidates(engine: str, dtype: str, device, quants: Sequence[str], data: Sequence[str]) -> list[Teacher]:
+    """The teachers `--teacher-engine` (auto, torch, onnx) and `--teacher-dtype` allow on `device`: torch in the dtype
+    asked for or each candidate dtype; ONNX Runtime at each of `quants` (the verdict's precisions), on a CPU only (its
+    CPU execution provider) and only for answers (stdlib labels run in torch)."""
+    from specpipe.distill.precision import candidates
+
+    onnx_possible = device.type == "cpu" and list(data) == ["answers"]
+    if engine == "onnx" and not onnx_possible:
+        raise UsageError("--teacher-engine onnx answers prompts on the CPU: it needs --device cpu (or auto without a "
+                         "GPU) and --data answers only")
+    torch_teachers = [Teacher("torch", d) for d in (candidates(device) if dtype == "auto" else [dtype])]
+    onnx_teachers = [Teacher("onnx", q) for q in dict.fromkeys(quants)] if onnx_possible else []
+    return {"torch": torch_teachers, "onnx": onnx_teachers, "auto": torch_teachers + onnx_teachers}[engine]
+
+
+class Teachers:
+    """The teachers of one run, each made once when first asked for: torch ones from the loaded model (fp32 on the
+    CPU is the model itself, kept exact for initialising the draft; others are copies), ONNX ones as engines loaded
+    from `targets` (the run's exported target folders) with a KV batch of `batch_rows` rows."""
+
+    def __init__(self, model, device, *, targets=None, threads: int = 1, batch_rows: int = 48, top_k: int = 32,
+                 feature_layers: Sequence[int] = ()):
+        self.model, self.device, self.targets, self.threads = model, device, targets, threads
+        self.batch_rows, self.top_k, self.feature_layers = batch_rows, top_k, tuple(feature_layers)
+        self.made: dict = {}
+
+    def torch_model(self, dtype: str):
+        import torch
+
+        key = ("torch", dtype)
+        if key not in self.made:
+            if dtype == "float32" and self.device.type == "cpu":
+                self.made[key] = self.model
+            else:
+                teacher = copy.deepcopy(self.model).to(device=self.device, dtype=getattr(torch, dtype))
+                # Batched answers are left-padded, so attention runs with a mask; in bf16 on CPU torch's SDPA
+                # then takes a slow path (batch 48, 200-token context: 251 ms/step vs 161 ms eager; fp32: equal).
+                teacher.set_attn_implementation("eager")
+                self.made[key] = teacher
+        return self.made[key]
+
+    def onnx_batch(self, quant: str):
+        """An empty KVBatch of the target engine at `quant` (exported once by `targets`, loaded once)."""
+        key = ("onnx", quant)
+        if key not in self.made:
+            from specpipe.engines import load_engine
+
+            if self.targets is None:
+                raise ValueError("an ONNX teacher needs the run's exported targets")
+            engine = load_engine(self.targets.folder(quant), threads=self.threads)
+            self.made[key] = engine.new_batch(self.batch_rows)
+        return self.made[key]
+
+    def answerer(self, teacher: Teacher) -> Callable[..., list]:
+        """The teacher's answer function: (prompt_ids, kinds=, max_new_tokens=, ...) -> TeacherSequence records."""
+        from specpipe.distill.teacher import answer_prompts, answer_prompts_onnx
+
+        if teacher.engine == "torch":
+            return functools.partial(answer_prompts, self.torch_model(teacher.precision))
+        return functools.partial(answer_prompts_onnx, self.onnx_batch(teacher.precision))
+
+    def probe(self, teacher: Teacher, prompt_ids: list[list[int]]) -> Callable[[], int]:
+        """A call answering PROBE_ROWS (at most a batch) short prompts (real prompts' first tokens) with PROBE_NEW_TOKENS greedy tokens
+        each, features included when the run keeps them: returns the answer tokens it made."""
+        rows = [list(prompt_ids[i % len(prompt_ids)][:PROBE_PROMPT_TOKENS]) for i in range(min(PROBE_ROWS, self.batch_rows))]
+        answer = self.answerer(teacher)
+
+        def call() -> int:
+            sequences = answer(rows, kinds=["probe"] * len(rows), max_new_tokens=PROBE_NEW_TOKENS, eos_token_ids=set(),
+                               pad_token_id=0, top_k=self.top_k, feature_layers=self.feature_layers)
+            return sum(s.answer_tokens for s in sequences)
+
+        return call
+
+    def release(self) -> None:
+        self.made.clear()
+
+
+def choose_teacher(names: Sequence[Teacher], device, make_call: Callable[[Teacher], Callable[[], int]],
+                   measure: Optional[Callable[..., dict]] = None):
+    """The fastest of `names` by its probe (precision.compare: interleaved, medians), as a PrecisionChoice of phase
+    "teacher" whose dtype is the teacher's name ("torch bfloat16", "onnx int8-wo"); one candidate is not measured."""
+    from specpipe.distill.precision import choose_precision, compare
+
+    by_name = {t.name: t for t in names}
+    requested = "auto" if len(by_name) > 1 else next(iter(by_name))
+    return choose_precision("teacher", requested, device, lambda name: make_call(by_name[name]), names=list(by_name),
+                            measure=measure or compare)
