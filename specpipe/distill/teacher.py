@@ -251,17 +251,30 @@ def answer_prompts_onnx(
     deadline) is released at once, so calls shrink as answers end, and its last token is never run: nothing reads
     what the target would say after it (answer_prompts keeps no row for it either).
     """
-    import numpy as np
-
     if feature_layers and tuple(feature_layers) != tuple(batch.engine.feature_layers):
         raise ValueError(f"the engine outputs features of layers {list(batch.engine.feature_layers)}, "
                          f"not {list(feature_layers)}")
     rows = [batch.new_sequence() for _ in prompt_ids]
-    for row in rows if feature_layers else ():
+    try:
+        return _answer_rows(batch, rows, prompt_ids, kinds=kinds, max_new_tokens=max_new_tokens,
+                            eos_token_ids=eos_token_ids, top_k=top_k, temperature=temperature, generator=generator,
+                            keep_features=bool(feature_layers), deadline=deadline)
+    finally:  # the batch is empty again, also after an error
+        for row in rows:
+            if row.slot >= 0:
+                batch.release(row)
+
+
+def _answer_rows(batch, rows, prompt_ids, *, kinds, max_new_tokens, eos_token_ids, top_k, temperature, generator,
+                 keep_features, deadline) -> list[TeacherSequence]:
+    """answer_prompts_onnx's work on its rows (one per prompt, nothing cached yet)."""
+    import numpy as np
+
+    for row in rows if keep_features else ():
         row.keep_features()
     prompt_logits = batch.prefill(rows, prompt_ids, every_position=True)  # per row [P, vocab]
     prompt_tops = [_top_k(torch.from_numpy(logits), top_k) for logits in prompt_logits]
-    prompt_features = [torch.from_numpy(row.features).to(torch.float16) for row in rows] if feature_layers else None
+    prompt_features = [torch.from_numpy(row.features).to(torch.float16) for row in rows] if keep_features else None
     logits = torch.from_numpy(np.stack([row_logits[-1] for row_logits in prompt_logits]))  # [running, vocab]
     del prompt_logits
 
@@ -276,10 +289,10 @@ def answer_prompts_onnx(
             tokens = logits.argmax(-1)
         for i, token in zip(running, tokens.tolist()):
             answers[i].append(int(token))
-        finished = [i for i in running if answers[i][-1] in eos_token_ids or len(answers[i]) >= max_new_tokens]
+        finished = {i for i in running if answers[i][-1] in eos_token_ids or len(answers[i]) >= max_new_tokens}
         for i in finished:
             batch.release(rows[i])
-        running = [i for i in running if i not in set(finished)]
+        running = [i for i in running if i not in finished]
         if not running:
             break
         if deadline is not None and time.perf_counter() >= deadline:  # every row keeps its answer as far as it got
@@ -288,17 +301,15 @@ def answer_prompts_onnx(
         ids, logprobs = _top_k(logits, top_k)
         for j, i in enumerate(running):
             answer_tops[i].append((ids[j], logprobs[j]))
-            if feature_layers:
+            if keep_features:
                 answer_features[i].append(torch.from_numpy(rows[i].features).to(torch.float16))
-    for i in running:
-        batch.release(rows[i])
 
     sequences = []
     for i, ids in enumerate(prompt_ids):
         token_ids = torch.tensor(list(ids) + answers[i], dtype=torch.long)
         top_ids = torch.cat([prompt_tops[i][0]] + [t[0][None] for t in answer_tops[i]])
         top_lp = torch.cat([prompt_tops[i][1]] + [t[1][None] for t in answer_tops[i]])
-        features = torch.cat([prompt_features[i]] + answer_features[i]) if feature_layers else None
+        features = torch.cat([prompt_features[i]] + answer_features[i]) if keep_features else None
         assert len(top_ids) == len(token_ids) - 1  # row t predicts token t+1; the last token's row is never made
         sequences.append(TeacherSequence(token_ids, top_ids, top_lp, len(ids), kinds[i], features))
     return sequences
