@@ -101,7 +101,9 @@ class Teachers:
 
             if self.targets is None:
                 raise ValueError("an ONNX teacher needs the run's exported targets")
-            engine = load_engine(self.targets.folder(quant), threads=self.threads)
+            # workers that block, not spin, between calls: the probe interleaves torch calls with this engine's,
+            # and a spinning worker would take a core from them (a 48-row step is long: blocking costs it little)
+            engine = load_engine(self.targets.folder(quant), threads=self.threads, spinning=False)
             self.made[key] = engine.new_batch(self.batch_rows)
         return self.made[key]
 
