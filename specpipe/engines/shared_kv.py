@@ -268,19 +268,15 @@ class KVBatch(EngineBatch):
             row.tokens.append(int(token))
         return logits[[row.slot for row in rows], 0]
 
-    def prefill(self, rows: Sequence[EngineSequence], prompts: Sequence[Sequence[int]], *,
-                every_position: bool = False) -> "np.ndarray | list[np.ndarray]":
+    def prefill(self, rows: Sequence[EngineSequence], prompts: Sequence[Sequence[int]]) -> np.ndarray:
         """Append each row's whole prompt, rows with nothing cached yet: logits [len(rows), vocab] at each
-        prompt's last position. Rows in consecutive slots run in one call (module docstring).
-        every_position: instead, per row the logits of every prompt position, [len(prompt), vocab] (a distillation
-        teacher keeps the target's distribution at each)."""
+        prompt's last position. Rows in consecutive slots run in one call (module docstring)."""
         if len(rows) != len(prompts) or any(not p for p in prompts):
             raise ValueError("prefill() needs one non-empty prompt per row")
         if any(row.batch is not self or row.slot < 0 or len(row) for row in rows):
             raise EngineError("prefill() takes rows of this batch with nothing cached")
-        if len(rows) == 1:  # alone: the padded single-row path (min_rows)
-            return [rows[0].append(prompts[0])] if every_position else rows[0].append(prompts[0])[-1:]
-        positions: list = [None] * len(rows)
+        if len(rows) == 1:
+            return rows[0].append(prompts[0])[-1:]  # alone: the padded single-row path (min_rows)
         order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
         runs, logits = [[order[0]]], np.zeros((len(rows), self.engine.vocab_size), np.float32)
         for i in order[1:]:  # consecutive slots, one call each (new rows usually are: they are added last)
@@ -305,13 +301,9 @@ class KVBatch(EngineBatch):
             else:
                 out = self.engine.run(self._binding(first, len(run), False), ids, lengths, new_lengths=sizes)
             logits[run] = out[np.arange(len(run)), sizes - 1]
-            if every_position:  # a kept binding's outputs are overwritten by its next call: copied then
-                kept = out if ids.shape[1] > _KEPT_OUTPUT_TOKENS else out.copy()
-                for j, i in enumerate(run):
-                    positions[i] = kept[j, : sizes[j]]
         for row, prompt in zip(rows, prompts):
             row.tokens.extend(int(t) for t in prompt)
-        return positions if every_position else logits
+        return logits
 
     def _binding(self, first: int, rows: int, features: bool) -> KVBinding:
         """The kept binding of slots first..first+rows-1, with or without the features output (its outputs are
