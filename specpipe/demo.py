@@ -35,11 +35,25 @@ NAME = "smollm2-demo"
 # three layers, which the target computes anyway. On the same teacher data it reaches about twice the
 # acceptance of a separate small model (the curve in docs/eagle3.md). Its distillation is a work budget, so
 # every machine trains the same head (a time budget gave a slower CPU a worse one): target answers and training
-# tokens, sized so a fresh demo ends within 25 minutes on a 2-core AVX2-only CPU (fp32 teacher ~80 answer
-# tokens/s there; docs/demo.md). The minutes are a cap for a machine slower still.
+# tokens. The minutes are a cap for a machine slower than those below.
+# Sizing (docs/eagle3.md 3d, measured on the Zen 4 here):
+# - The teacher is chosen by measurement (--teacher-engine auto). The deployed int8-wo ONNX engine answers ~1.6x as
+#   fast as torch bf16, the teacher until now (1 thread, interleaved).
+# - The quiet demo spent ~220 s of teacher and ~280 s of training (400k tokens at ~1,800/s, 2 threads). The ONNX
+#   teacher makes the same 40k answer tokens in ~140 s, and the ~80 s saved go to training: +150k tokens.
+# - Where that time goes was measured. 1.6x the answers at 400k training tokens bought nothing (held-out position 1
+#   0.440 vs 0.446: short of training, not of data). 550k training tokens on the 40k answers bought +0.018 (0.464),
+#   +0.028 at position 2. So the answers stay at 40k and the training tokens rise to 550k: the distill phase takes
+#   about as long as before, plus the teacher probe (~10 s).
+# - The 25-minute bound on a 2-core AVX2-only CPU. There, torch fp32 answered ~80 tokens/s, bf16 is emulated, and
+#   int8-wo batches slower than fp32 (no VNNI: 0.84x at 16 rows, docs/quantization.md), so auto would take the ONNX
+#   fp32 engine. That engine answered 2.35x torch fp32's rate here (182 vs 78, same run).
+#   - At that ratio the 40k answers take ~210 s there instead of 500 s, more than the +150k training tokens cost
+#     (~170 s at the ~870 tokens/s fp32 training measured there).
+#   - With no ONNX gain at all there, the +170 s stay, and the 18-minute cap bounds the distill phase as before.
 DISTILL_KIND = "eagle3"
 DISTILL_ANSWER_TOKENS = 40_000
-DISTILL_TRAIN_TOKENS = 400_000
+DISTILL_TRAIN_TOKENS = 550_000
 DISTILL_MINUTES = 18.0
 PROMPTS = [
     ("code", "Write a Python function that returns the sum of the squares of a list of numbers."),
