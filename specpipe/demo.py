@@ -38,7 +38,7 @@ NAME = "smollm2-demo"
 # tokens. The minutes are a cap for a machine slower than those below.
 # Sizing (docs/eagle3.md 3d, measured on the Zen 4 here):
 # - The teacher is chosen by measurement (--teacher-engine auto). The deployed int8-wo ONNX engine answers ~1.6x as
-#   fast as torch bf16, the teacher until now (1 thread, interleaved).
+#   fast as torch bf16, the teacher until now (263 vs 160 answer tokens/s, 1 thread, interleaved).
 # - The quiet demo spent ~220 s of teacher and ~280 s of training (400k tokens at ~1,800/s, 2 threads). The ONNX
 #   teacher makes the same 40k answer tokens in ~140 s, and the ~80 s saved go to training: +150k tokens.
 # - Where that time goes was measured. 1.6x the answers at 400k training tokens bought nothing (held-out position 1
@@ -47,7 +47,7 @@ NAME = "smollm2-demo"
 #   about as long as before, plus the teacher probe (~10 s).
 # - The 25-minute bound on a 2-core AVX2-only CPU. There, torch fp32 answered ~80 tokens/s, bf16 is emulated, and
 #   int8-wo batches slower than fp32 (no VNNI: 0.84x at 16 rows, docs/quantization.md), so auto would take the ONNX
-#   fp32 engine. That engine answered 2.35x torch fp32's rate here (182 vs 78, same run).
+#   fp32 engine. That engine answered 2.44x torch fp32's rate here (207 vs 85, same run).
 #   - At that ratio the 40k answers take ~210 s there instead of 500 s, more than the +150k training tokens cost
 #     (~170 s at the ~870 tokens/s fp32 training measured there).
 #   - With no ONNX gain at all there, the +170 s stay, and the 18-minute cap bounds the distill phase as before.
