@@ -85,6 +85,10 @@ class LoadConfig(Strict):
         "staggered", description="staggered: user n starts n/C of a request's latency (the warm-up's) after the "
                                  "level begins, as independent users do; burst: every user at once (equal-length "
                                  "requests then stay in step: every user's next prompt arrives in the same step)")
+    engine_alone: bool = Field(
+        True, description="after each level, time the served engine alone in this process (TARGET only), on the "
+                          "level's first prompts: its batched decode rate, and with burst arrivals the burst's "
+                          "prefill; the rows get the served share and the burst's TTFT p95 over that prefill")
     against_target_only: bool = Field(
         False, description="run every level twice on the same server, once with K = 0 sent in every request "
                            "(the target alone, batched) and once as deployed, each in two halves in the order "

@@ -158,6 +158,30 @@ class BatchScheduler:
         finally:
             request.cancelled = True  # a reader that stops early (stop string, client gone) frees the row
 
+    def prefill_alone(self, requests: Sequence[tuple[Sequence[int], GenerationConfig]]) -> StepTrace:
+        """The prefill a burst of these requests (prompt ids, settings) costs on this scheduler with nothing else
+        running: all waiting at once, admitted and prefilled by the loop's own phase 0 (`_admit`, `_prefill`: its
+        prompts-per-call rule and `prefill_chunk`), no decode step between; each request stops at its first token
+        and its row is released. For a scheduler that serves nothing (bench/load_alone.py measures a served burst
+        against it). Returns the engine calls' trace."""
+        if self.running or self.waiting or (self._thread is not None and self._thread.is_alive()):
+            raise RuntimeError("prefill_alone() needs a scheduler that serves nothing")
+        kept_trace, kept_join = self.trace, self._next_join
+        self.trace = StepTrace()
+        try:
+            for prompt_ids, cfg in requests:
+                first_only = cfg.model_copy(update={"max_new_tokens": 1})
+                self.waiting.append(_Request(list(prompt_ids), first_only, SpecStats(), self.eos_token_ids))
+            while self.waiting or self.running:
+                self._admit()
+                self._prefill()
+            return self.trace
+        finally:
+            for request in list(self.running):
+                self._finish(request)
+            self.waiting.clear()
+            self.trace, self._next_join = kept_trace, kept_join
+
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, name="specpipe-batch", daemon=True)
