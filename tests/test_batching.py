@@ -358,6 +358,18 @@ def test_a_burst_prefilled_alone_makes_the_calls_a_served_burst_makes(pair):
         assert_greedy_equivalent(pair, prompt, out, alone(pair, prompt, longer))
 
 
+def test_a_prompt_that_fits_one_call_waits_for_the_next_call_whole_rather_than_split(pair):
+    """20 tokens a step: two 9-token prompts go together, the third in the next call, whole (it was chunked: 2
+    tokens with the first call's leftover budget, alone, then 7 more alone: 3 calls for 27 tokens became 2)."""
+    cfg = GenerationConfig(max_new_tokens=1, stop_on_eos=False, speculative=False)
+    prompts = [[20 + i, *p] for i, p in enumerate(prompts_of([8, 8, 8]))]
+    prompts[1] = prompts[1][:9]
+    measured = scheduler_for(pair, max_batch_size=4, prefill_chunk=20)
+    assert _calls(measured.prefill_alone([(p, cfg) for p in prompts])) == [("prefill", 2, 18), ("prefill", 1, 9)]
+    longer = [list(range(3, 3 + 45))]  # longer than a call's budget: chunks, alone
+    assert _calls(measured.prefill_alone([(longer[0], cfg)])) == [("prefill-chunk", 1, 20)] * 2 + [("prefill-chunk", 1, 5)]
+
+
 def test_the_buffer_grows_past_its_first_capacity(pair, torch_target):
     batch = pair.target.new_batch(2)
     rows = [batch.new_sequence() for _ in range(2)]

@@ -317,9 +317,12 @@ class BatchScheduler:
 
     def _prefill(self) -> None:
         """Feed new requests' prompts into their rows, `prefill_chunk` tokens a step in all: whole prompts that fit
-        in one batched call (`EngineBatch.prefill`), a longer one in chunks, alone. The call that takes a
-        prompt's last token also gives the request's first token (a target-only step), at once. Requests whose
-        first tokens come between the same two steps join the batched steps one step apart (module docstring)."""
+        in one batched call (`EngineBatch.prefill`), a prompt longer than `prefill_chunk` in chunks, alone. A prompt
+        that fits a call but not what is left of this step's waits for the next step's call, whole: a chunk of it
+        now would be one more call (a burst of 16 ~18-token prompts took 4 calls, 2 of them single-row ones). The
+        call that takes a prompt's last token also gives the request's first token (a target-only step), at once.
+        Requests whose first tokens come between the same two steps join the batched steps one step apart
+        (module docstring)."""
         budget = self.prefill_chunk
         new = [r for r in self.running if r.produced == 0]
         whole, taken = [], 0
@@ -327,6 +330,7 @@ class BatchScheduler:
             if len(request.row) == 0 and taken + len(request.context) <= budget:
                 whole.append(request)
                 taken += len(request.context)
+        chunked = [r for r in new if r not in whole and (len(r.row) or len(r.context) > self.prefill_chunk)]
         if whole:
             t0 = time.perf_counter()
             logits = self.batch.prefill([r.row for r in whole], [r.context for r in whole])
@@ -335,7 +339,7 @@ class BatchScheduler:
                 request.features_from = 0
                 self._started(request, logits[i : i + 1], time.perf_counter() - t0)
             budget -= taken
-        for request in [r for r in new if r not in whole]:
+        for request in chunked:
             if budget <= 0:
                 break
             start = len(request.row)
