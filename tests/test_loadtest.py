@@ -251,6 +251,14 @@ def test_a_burst_level_reports_its_prefill_alone_and_the_first_requests_ttft_ove
     assert "prefill alone in" in " ".join(out.split())
 
 
+def test_requests_ask_for_perf_metrics_only_when_told():
+    """Each streamed token's response carries 10 perf tensors more when asked; the loadtest reads none of them."""
+    from specpipe.bench.load import request_tensors
+
+    assert not request_tensors("def f():", LoadConfig())["return_perf_metrics"].item()
+    assert request_tensors("def f():", LoadConfig(perf_metrics=True))["return_perf_metrics"].item()
+
+
 def test_against_target_only_sends_k_0_in_one_variant_and_alternates_which_goes_first(monkeypatch):
     import specpipe.bench.load as load
 

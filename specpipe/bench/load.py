@@ -57,7 +57,7 @@ def request_tensors(prompt: str, cfg: LoadConfig, num_draft_tokens: Optional[int
         "max_tokens": np.array([[cfg.max_tokens]], dtype=np.int32),
         "stream": np.array([[True]], dtype=bool),
         "exclude_input_in_output": np.array([[True]], dtype=bool),
-        "return_perf_metrics": np.array([[True]], dtype=bool),
+        "return_perf_metrics": np.array([[cfg.perf_metrics]], dtype=bool),
     }
     if cfg.ignore_eos:
         tensors["end_id"] = np.array([[-1]], dtype=np.int32)  # TensorRT-LLM: -1 = generate max_tokens regardless

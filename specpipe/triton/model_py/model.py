@@ -22,6 +22,10 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# How often a streaming request asks whether its client went away (TensorRT-LLM's cancellation_check_period_ms,
+# 100 ms by default). Each sender.is_cancelled() is a round trip to tritonserver, as long as sending a response
+# (1.9 ms of wall time each, 16 streams on 2 cores): asked before every token it doubled the messages a token costs.
+CANCELLATION_CHECK_PERIOD_S = 0.1
 
 # Prometheus counters on Triton's metrics port; acceptance rate = accepted / drafted.
 COUNTERS = {
@@ -107,12 +111,19 @@ class TritonPythonModel:
         tensors = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
         replies = self.model.replies(tensors)
         try:
+            next_check = 0.0
             for reply in replies:
-                if sender.is_cancelled():
-                    replies.close()
-                    sender.send(flags=FINAL)
-                    return
                 t0 = time.perf_counter()
+                if t0 >= next_check:
+                    if sender.is_cancelled():
+                        replies.close()
+                        sender.send(flags=FINAL)
+                        return
+                    next_check = t0 + CANCELLATION_CHECK_PERIOD_S
+                    if profiled is not None:
+                        profiled.cancel_check_s += time.perf_counter() - t0
+                        profiled.cancel_checks += 1
+                    t0 = time.perf_counter()
                 outputs = [pb_utils.Tensor(name, array) for name, array in reply.tensors.items()]
                 sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL if reply.final else 0)
                 if profiled is not None:
