@@ -3,11 +3,7 @@ window, and the served target's worker threads that block instead of spinning.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-import types
-from pathlib import Path
 
 import pytest
 
@@ -83,46 +79,6 @@ def _spinning(deployment) -> str:
 def test_the_served_target_blocks_instead_of_spinning_and_others_keep_the_default(tiny_build):
     assert _spinning(load_deployment(tiny_build, threads=1, batching=True, spinning=False)) == "0"
     assert _spinning(load_deployment(tiny_build, threads=1)) == "default"
-
-
-def _fake_backend_utils() -> types.ModuleType:
-    """What model.py's initialize() takes from the Python backend's `triton_python_backend_utils` (only the stub
-    has it): enough to load the model outside a server."""
-
-    class MetricFamily:
-        COUNTER = "counter"
-
-        def __init__(self, name, description, kind):
-            pass
-
-        def Metric(self, labels):
-            return types.SimpleNamespace(increment=lambda value: None)
-
-    return types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1, TritonModelException=RuntimeError,
-                                 Logger=types.SimpleNamespace(log_error=print), MetricFamily=MetricFamily)
-
-
-def test_the_served_model_file_loads_its_target_with_blocking_workers(tiny_build, tmp_path, monkeypatch):
-    """The repository's own model.py, initialized as Triton does (its config as JSON), on the deployment beside it:
-    the target's session must block (a model.py that drops `spinning=False`, or sets True, fails here)."""
-    from google.protobuf import json_format
-
-    import specpipe.triton.stubs
-    from specpipe.triton.model_config import read_config
-    from specpipe.triton.repository import write_repository
-
-    model_dir = write_repository(tiny_build, tmp_path / "repo")
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _fake_backend_utils())
-    monkeypatch.setattr(specpipe.triton.stubs, "exit_with_server", lambda: None)  # no server to outlive here
-    monkeypatch.delenv(PROFILE_ENV, raising=False)
-    spec = importlib.util.spec_from_file_location("served_model_py", model_dir / "1" / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    model = module.TritonPythonModel()
-    config = json_format.MessageToJson(read_config(model_dir), preserving_proto_field_name=True)
-    model.initialize({"model_config": config, "model_name": model_dir.name, "model_version": "1"})
-    assert Path(model.model.deployment.target.folder).resolve().is_relative_to(model_dir.resolve())
-    assert model.model.batching and _spinning(model.model.deployment) == "0"
 
 
 @pytest.mark.timing
