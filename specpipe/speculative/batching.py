@@ -120,6 +120,19 @@ class BatchScheduler:
         self._thread: Optional[threading.Thread] = None
         self.thread_id: Optional[int] = None
         self.trace: Optional[StepTrace] = None  # set to a StepTrace to record every engine call (a profile)
+        self._outbox: list[tuple[queue.Queue, object]] = []  # readers' items, handed over at the next engine call
+
+    def _hand_over(self, request: _Request, item) -> None:
+        self._outbox.append((request.out, item))
+
+    def _deliver(self) -> None:
+        """Wake the readers of everything settled since the last engine call. Called just before the next call (and
+        before the loop waits idle): a woken reader (the Triton model's answering thread detokenizes, builds its
+        response and sends it) then runs while ONNX Runtime computes with the GIL released, not beside this thread's
+        Python between two calls, which it stretched from 0.9 ms in process to 4 ms served (docs/batching.md)."""
+        outbox, self._outbox = self._outbox, []
+        for out, item in outbox:
+            out.put(item)
 
     def _traced(self, kind: str, rows: int, tokens: int, t0: float) -> None:
         if self.trace is not None:
@@ -180,6 +193,7 @@ class BatchScheduler:
             for request in list(self.running):
                 self._finish(request)
             self.waiting.clear()
+            self._deliver()
             self.trace, self._next_join = kept_trace, kept_join
 
     def _start(self) -> None:
@@ -194,6 +208,7 @@ class BatchScheduler:
         while True:
             with self._wake:
                 while not self.waiting and not self.running:
+                    self._deliver()
                     self._wake.wait()
                 self._admit()
             try:
@@ -201,6 +216,7 @@ class BatchScheduler:
             except Exception as err:  # fail every running request, keep serving new ones
                 for request in list(self.running):
                     self._fail(request, err)
+                self._deliver()
 
     def _admit(self) -> None:
         self._preempt.clear()  # the loop has seen every request waiting now
@@ -237,6 +253,8 @@ class BatchScheduler:
         ks = self._draft_lengths(ready)
 
         # 2. Draft, all speculating requests together.
+        if any(ks):
+            self._deliver()
         t0 = time.perf_counter()
         proposals = self._propose(ready, ks)
         t1 = time.perf_counter()
@@ -257,6 +275,7 @@ class BatchScheduler:
                 target_logits[i] = logits[j : j + 1]  # [1, vocab]
         for i, proposal in enumerate(proposals):
             if proposal.tokens:
+                self._deliver()
                 tv = time.perf_counter()
                 target_logits[i] = ready[i].row.append([ready[i].context[-1], *proposal.tokens])  # [K+1, vocab]
                 self._traced("verify", 1, len(proposal.tokens) + 1, tv)
@@ -278,6 +297,7 @@ class BatchScheduler:
         when no request drafted this step (drafts already made would be lost). Running requests cannot starve:
         each stop admits a request into a free row, and there are at most max_batch_size of them."""
         preempt = self._preempt if preemptible else None
+        self._deliver()
         t0 = time.perf_counter()
         try:
             logits = self.batch.decode([r.row for r in requests], [r.context[-1] for r in requests], preempt)
@@ -311,7 +331,7 @@ class BatchScheduler:
                 target_s: float) -> None:
         """Judge one request's step and hand its emitted tokens to its reader (settle.py); its cache then holds
         the new context but its last token, which the next step feeds."""
-        request.out.put(settle(request, proposal, target_logits, draft_s=draft_s, target_s=target_s))
+        self._hand_over(request, settle(request, proposal, target_logits, draft_s=draft_s, target_s=target_s))
         if request.finished:
             self._finish(request)
 
@@ -332,6 +352,7 @@ class BatchScheduler:
                 taken += len(request.context)
         chunked = [r for r in new if r not in whole and (len(r.row) or len(r.context) > self.prefill_chunk)]
         if whole:
+            self._deliver()
             t0 = time.perf_counter()
             logits = self.batch.prefill([r.row for r in whole], [r.context for r in whole])
             self._traced("prefill", len(whole), taken, t0)
@@ -344,6 +365,7 @@ class BatchScheduler:
                 break
             start = len(request.row)
             take = min(len(request.context) - start, budget)
+            self._deliver()
             t0 = time.perf_counter()
             logits = request.row.append(request.context[start : start + take])
             self._traced("prefill-chunk", 1, take, t0)
@@ -385,8 +407,8 @@ class BatchScheduler:
         if request.draft is not None:
             request.draft.close()  # a batched model draft frees its row
         if done:
-            request.out.put(_DONE)
+            self._hand_over(request, _DONE)
 
     def _fail(self, request: _Request, err: Exception) -> None:
-        request.out.put(err if isinstance(err, SpecpipeError) else RuntimeError(f"{type(err).__name__}: {err}"))
+        self._hand_over(request, err if isinstance(err, SpecpipeError) else RuntimeError(f"{type(err).__name__}: {err}"))
         self._finish(request, done=False)
