@@ -54,6 +54,10 @@ def served(model_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _fake_backend_utils())
     monkeypatch.setattr(specpipe.triton.stubs, "exit_with_server", lambda: None)  # no server to outlive here
     monkeypatch.delenv(PROFILE_ENV, raising=False)
+    # initialize() sets these for the stub's process; here they must not outlive the test (USE_TORCH=0 left in this
+    # process's environment broke the builder subprocesses of every later test that builds)
+    monkeypatch.setenv("USE_TORCH", "0")
+    monkeypatch.setenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     spec = importlib.util.spec_from_file_location("served_model_py", model_dir / "1" / "model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

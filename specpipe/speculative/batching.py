@@ -23,7 +23,7 @@ running batch at any step and leave when done; one thread runs the steps. Each s
      with drafts runs its own call on [last token, x_1..x_K] (engines/shared_kv.py says why);
   4. accept each x_i with min(1, p/q), resample the first rejection from norm(max(0, p - q)), or add the
      bonus token (settle.py, the step decoder.py also runs), roll the request's cache back to what it accepted, and
-     hand the emitted tokens to its reader.
+     hand the emitted tokens to its reader, who is woken just before the next engine call (`_deliver`).
 
 Each request keeps its own random generator, sampling settings, stop conditions and statistics, and its
 tokens are the ones the single-request decoder would produce: a row's logits do not depend on the other
