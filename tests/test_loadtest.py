@@ -234,6 +234,7 @@ def test_real_server_at_one_and_two_users(tiny_self_build, tmp_path, capsys):
     assert (tmp_path / "load.png").is_file() and "tiny target-only" in out
 
 
+@pytest.mark.timing
 def test_a_burst_level_reports_its_prefill_alone_and_the_first_requests_ttft_over_it(tiny_self_build, tmp_path, capsys):
     """--arrivals burst: after the level, the same first prompts (as the server encodes them) prefilled alone by the
     served scheduler's own rule in this process; the row has the ratio, the table says it."""
