@@ -17,7 +17,7 @@ from specpipe.deployment import load_deployment, make_scheduler
 from specpipe.engines.shared_kv import KVBatch, SharedKVEngine
 from specpipe.speculative import SpecStats
 from specpipe.speculative.adaptive import plan_batch_draft_lengths, scheduled_draft_length
-from specpipe.speculative.batching import BatchScheduler, ServerBusyError
+from specpipe.speculative.batching import BatchScheduler, ServerBusyError, StepTrace
 from specpipe.speculative.drafters import Proposal
 from specpipe.speculative.ngram import NgramDrafter
 from specpipe.testing.greedy import assert_greedy_equivalent
@@ -325,6 +325,49 @@ def test_planted_bug_requests_that_start_together_join_together_fails(pair, monk
     monkeypatch.setattr(BatchScheduler, "_started", join_at_once)
     seconds, lasts, exact = _start_together(pair)
     assert exact and len(set(lasts)) == 1  # the same tokens, but all four end in one step: the test above fails
+
+
+def _calls(trace):
+    return [(kind, rows, tokens) for kind, rows, tokens, _, _ in trace.calls]
+
+
+@pytest.mark.timing
+def test_a_burst_prefilled_alone_makes_the_calls_a_served_burst_makes(pair):
+    """`prefill_alone` (the burst criterion's other side, bench/load_alone.py) runs the loop's own prefill phase: six
+    prompts waiting at once for four rows, 20 tokens a step, give the same calls served as alone (whole prompts
+    together, a chunk, the last two admitted as rows free up); after it every row is free and the scheduler serves."""
+    cfg = GenerationConfig(max_new_tokens=1, stop_on_eos=False, speculative=False)
+    prompts = [[20 + i, *p] for i, p in enumerate(prompts_of([8, 6, 7, 5, 8, 4]))]
+    served = scheduler_for(pair, max_batch_size=4, prefill_chunk=20)
+    served.trace = StepTrace()
+    with served._wake:  # the scheduler sees all six at once
+        streams = [served.decode(p, cfg, SpecStats()) for p in prompts]
+    first_tokens = [sum(stream, []) for stream in streams]
+    measured = scheduler_for(pair, max_batch_size=4, prefill_chunk=20)
+    calls = _calls(measured.prefill_alone([(p, cfg) for p in prompts]))
+    assert calls == _calls(served.trace)
+    assert {kind for kind, _, _ in calls} == {"prefill", "prefill-chunk"} and len(calls) >= 3
+    assert sum(tokens for _, _, tokens in calls) == sum(map(len, prompts))
+    assert not measured.running and not measured.waiting and measured.trace is None
+    longer = GenerationConfig(max_new_tokens=6, stop_on_eos=False, speculative=False)
+    with measured._wake:  # all four rows are free again, and the outputs are each request's own
+        streams = [measured.decode(p, longer, SpecStats()) for p in prompts[:4]]
+    for prompt, stream, first in zip(prompts, streams, first_tokens):
+        out = sum(stream, [])
+        assert out[:1] == first
+        assert_greedy_equivalent(pair, prompt, out, alone(pair, prompt, longer))
+
+
+def test_a_prompt_that_fits_one_call_waits_for_the_next_call_whole_rather_than_split(pair):
+    """20 tokens a step: two 9-token prompts go together, the third in the next call, whole (it was chunked: 2
+    tokens with the first call's leftover budget, alone, then 7 more alone: 3 calls for 27 tokens became 2)."""
+    cfg = GenerationConfig(max_new_tokens=1, stop_on_eos=False, speculative=False)
+    prompts = [[20 + i, *p] for i, p in enumerate(prompts_of([8, 8, 8]))]
+    prompts[1] = prompts[1][:9]
+    measured = scheduler_for(pair, max_batch_size=4, prefill_chunk=20)
+    assert _calls(measured.prefill_alone([(p, cfg) for p in prompts])) == [("prefill", 2, 18), ("prefill", 1, 9)]
+    longer = [list(range(3, 3 + 45))]  # longer than a call's budget: chunks, alone
+    assert _calls(measured.prefill_alone([(longer[0], cfg)])) == [("prefill-chunk", 1, 20)] * 2 + [("prefill-chunk", 1, 5)]
 
 
 def test_the_buffer_grows_past_its_first_capacity(pair, torch_target):

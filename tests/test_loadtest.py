@@ -26,7 +26,7 @@ from tests.test_gate import one_line_error
 LEVEL_KEYS = {"concurrency", "requests", "errors", "error_messages", "wall_s", "output_tokens", "tokens_per_s",
               "steady_tokens_per_s",
               "request_tokens_per_s_p50", "ttft_ms_p50", "ttft_ms_p95", "itl_ms_p50", "itl_ms_p95", "rss_mb",
-              "drafted_per_token", "acceptance", "stagger_s", "records"}
+              "drafted_per_token", "acceptance", "stagger_s", "records", "first_ttft_ms_p95", "engine_alone"}
 RECORD_KEYS = {"index", "stream", "sent_ms", "ttft_ms", "total_ms", "tokens", "responses", "steps", "drafted",
                "accepted", "error"}
 RUN_KEYS = {"label", "target", "model", "started", "settings", "served", "machine", "levels"}
@@ -222,11 +222,42 @@ def test_real_server_at_one_and_two_users(tiny_self_build, tmp_path, capsys):
             assert level["stagger_s"] > 0
             first_sent = min(r["sent_ms"] for r in level["records"] if r["stream"] == users - 1)
             assert first_sent >= 0.9 * 1e3 * level["stagger_s"] * (users - 1) / users
+            # The engine alone beside the level: its decode rate at the level's rows, and no burst to compare.
+            alone = level["engine_alone"]
+            assert alone["decode"]["rows"] == users and alone["decode"]["steps"] == 8 - 1
+            assert alone["decode"]["tokens_per_s"] > 0 and alone["served_share"] > 0
+            assert "burst_prefill" not in alone and alone["threads"] >= 1
     # The server reports each request's drafts; with K = 0 in the request no row drafts. (As deployed, this pair
     # does not speculate either: the target as its own draft costs a target step per draft token, c = 1.)
     assert all(r["drafted"] is not None for run in report["runs"] for level in run["levels"] for r in level["records"])
     assert all(level["drafted_per_token"] == 0 and level["acceptance"] is None for level in target_only["levels"])
     assert (tmp_path / "load.png").is_file() and "tiny target-only" in out
+
+
+@pytest.mark.timing
+def test_a_burst_level_reports_its_prefill_alone_and_the_first_requests_ttft_over_it(tiny_self_build, tmp_path, capsys):
+    """--arrivals burst: after the level, the same first prompts (as the server encodes them) prefilled alone by the
+    served scheduler's own rule in this process; the row has the ratio, the table says it."""
+    code, out, err = loadtest(capsys, tiny_self_build, "-c", "3", "--requests", "6", "--warmup-requests", "1",
+                              "--max-tokens", "4", "--arrivals", "burst", "--json-out", tmp_path / "load.json")
+    assert code == 0, err
+    [run] = json.loads((tmp_path / "load.json").read_text())["runs"]
+    [level] = run["levels"]
+    burst = level["engine_alone"]["burst_prefill"]
+    assert burst["prompts"] == 3 and burst["ms"] > 0 and len(burst["runs_ms"]) == level["engine_alone"]["runs"]
+    assert sum(tokens for _, _, tokens in burst["calls"]) == burst["prompt_tokens"]
+    first = [r["ttft_ms"] for r in level["records"] if r["index"] < 3]  # each user's first request: the burst
+    assert level["first_ttft_ms_p95"] == pytest.approx(percentile(first, 95))
+    assert level["engine_alone"]["burst_ttft_ratio"] == pytest.approx(level["first_ttft_ms_p95"] / burst["ms"])
+    assert "prefill alone in" in " ".join(out.split())
+
+
+def test_requests_ask_for_perf_metrics_only_when_told():
+    """Each streamed token's response carries 10 perf tensors more when asked; the loadtest reads none of them."""
+    from specpipe.bench.load import request_tensors
+
+    assert not request_tensors("def f():", LoadConfig())["return_perf_metrics"].item()
+    assert request_tensors("def f():", LoadConfig(perf_metrics=True))["return_perf_metrics"].item()
 
 
 def test_against_target_only_sends_k_0_in_one_variant_and_alternates_which_goes_first(monkeypatch):

@@ -68,16 +68,17 @@ def test_the_served_profile_is_off_unless_asked_and_written_where_asked(served, 
     assert written["answers"][0]["tokens"] == 4 and written["scheduler_thread_id"] == scheduler.thread_id
 
 
-def test_the_served_target_blocks_instead_of_spinning_and_others_keep_the_default(tiny_build):
-    def spinning(deployment) -> str:
-        options = deployment.target.session.get_session_options()
-        try:
-            return options.get_session_config_entry(SPINNING)
-        except Exception:  # not set: ONNX Runtime's default, spinning
-            return "default"
+def _spinning(deployment) -> str:
+    options = deployment.target.session.get_session_options()
+    try:
+        return options.get_session_config_entry(SPINNING)
+    except Exception:  # not set: ONNX Runtime's default, spinning
+        return "default"
 
-    assert spinning(load_deployment(tiny_build, threads=1, batching=True, spinning=False)) == "0"
-    assert spinning(load_deployment(tiny_build, threads=1)) == "default"
+
+def test_the_served_target_blocks_instead_of_spinning_and_others_keep_the_default(tiny_build):
+    assert _spinning(load_deployment(tiny_build, threads=1, batching=True, spinning=False)) == "0"
+    assert _spinning(load_deployment(tiny_build, threads=1)) == "default"
 
 
 @pytest.mark.timing

@@ -85,6 +85,14 @@ class LoadConfig(Strict):
         "staggered", description="staggered: user n starts n/C of a request's latency (the warm-up's) after the "
                                  "level begins, as independent users do; burst: every user at once (equal-length "
                                  "requests then stay in step: every user's next prompt arrives in the same step)")
+    perf_metrics: bool = Field(
+        False, description="ask for TensorRT-LLM's perf-metric outputs in every response (return_perf_metrics: 10 "
+                           "more tensors a streamed token for the server to build and send and the clients to read; "
+                           "off in TensorRT-LLM by default, and the loadtest reads none of them)")
+    engine_alone: bool = Field(
+        True, description="after each level, time the served engine alone in this process (TARGET only), on the "
+                          "level's first prompts: its batched decode rate, and with burst arrivals the burst's "
+                          "prefill; the rows get the served share and the burst's TTFT p95 over that prefill")
     against_target_only: bool = Field(
         False, description="run every level twice on the same server, once with K = 0 sent in every request "
                            "(the target alone, batched) and once as deployed, each in two halves in the order "

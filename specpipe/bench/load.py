@@ -39,6 +39,7 @@ from specpipe.triton.load import (  # noqa: F401 (the level machinery lives with
     RequestMaker,
     RequestRecord,
     find_local_server,
+    first_requests,
     itl_samples,
     percentile,
     process_tree_rss,
@@ -56,7 +57,7 @@ def request_tensors(prompt: str, cfg: LoadConfig, num_draft_tokens: Optional[int
         "max_tokens": np.array([[cfg.max_tokens]], dtype=np.int32),
         "stream": np.array([[True]], dtype=bool),
         "exclude_input_in_output": np.array([[True]], dtype=bool),
-        "return_perf_metrics": np.array([[True]], dtype=bool),
+        "return_perf_metrics": np.array([[cfg.perf_metrics]], dtype=bool),
     }
     if cfg.ignore_eos:
         tensors["end_id"] = np.array([[-1]], dtype=np.int32)  # TensorRT-LLM: -1 = generate max_tokens regardless
@@ -71,10 +72,12 @@ TARGET_ONLY = " target-only"  # suffix of the K = 0 run's label (--against-targe
 
 
 def run_load(cfg: LoadConfig, url: str, *, model_name: str, server_pid: Optional[int] = None,
-             progress: Optional[Progress] = None) -> dict[str, list[dict]]:
+             progress: Optional[Progress] = None, alone=None) -> dict[str, list[dict]]:
     """Warm-up, then one level per concurrency against the server at `url`: the level rows, in order, by variant
     ("" = as deployed; TARGET_ONLY = K 0 in every request, with cfg.against_target_only, run on the same server
-    level by level, alternating which variant goes first so drift over the run does not favour either)."""
+    level by level, alternating which variant goes first so drift over the run does not favour either).
+    `alone` (bench/load_alone.py `EngineAlone`): after each level, the served engine alone on the level's first
+    requests, in each row's `engine_alone`."""
     from specpipe.bench.prompts import packaged_set, read_prompt_file
 
     prompt_set = read_prompt_file(cfg.prompts) if cfg.prompts else packaged_set(cfg.prompt_set)
@@ -116,8 +119,15 @@ def run_load(cfg: LoadConfig, url: str, *, model_name: str, server_pid: Optional
                                           timeout_s=cfg.request_timeout_s, server_pid=server_pid,
                                           rss_interval_s=cfg.rss_interval_s, stagger_s=stagger_s, on_done=tick))
         for name in variants:
-            rows[name].append({**summarize_parts(levels[name]), "stagger_s": stagger_s,
-                               "records": [r.as_dict() for level in levels[name] for r in level.records]})
+            row = {**summarize_parts(levels[name]), "stagger_s": stagger_s, "engine_alone": None}
+            if alone is not None:
+                from specpipe.bench.load_alone import compare
+
+                report(f"{concurrency} users{name}: the engine alone", 0, 1)
+                users = min(concurrency, cfg.requests_at(concurrency))
+                first = [requests_with(variants[name])(index) for index in range(users)]
+                row["engine_alone"] = compare(row, alone.measure(first, burst=cfg.arrivals == "burst"))
+            rows[name].append({**row, "records": [r.as_dict() for level in levels[name] for r in level.records]})
     return rows
 
 
@@ -129,7 +139,9 @@ def summarize_parts(parts: list[LevelRun]) -> dict:
     merged = LevelRun(parts[0].concurrency, [r for part in parts for r in part.records], sum(p.wall_s for p in parts),
                       [b for part in parts for b in part.rss_bytes])
     steady = [summarize_level(part)["steady_tokens_per_s"] for part in parts]
-    return {**summarize_level(merged), "steady_tokens_per_s": None if None in steady else float(np.mean(steady))}
+    first = [r.ttft_ms for part in parts for r in first_requests([r for r in part.records if r.error is None])]
+    return {**summarize_level(merged), "steady_tokens_per_s": None if None in steady else float(np.mean(steady)),
+            "first_ttft_ms_p95": percentile(first, 95)}  # every part's users start anew
 
 
 def run_loadtest(cfg: LoadConfig, *, target: Optional[Path] = None, url: Optional[str] = None,
@@ -146,6 +158,7 @@ def run_loadtest(cfg: LoadConfig, *, target: Optional[Path] = None, url: Optiona
         raise UsageError("give TARGET (a Triton repository or engines/NAME) or --url, not both")
     model_name = model_name or DEFAULT_MODEL
     started_iso = now_iso()
+    alone = None  # the served engine alone, beside the server (TARGET only: a --url server's engines are not here)
     with ExitStack() as stack:
         if url is not None:
             from specpipe.triton.client import check_ready
@@ -159,7 +172,11 @@ def run_loadtest(cfg: LoadConfig, *, target: Optional[Path] = None, url: Optiona
             served = _served_model(repo, model_name)
             server = stack.enter_context(_started_server(repo, log))
             url, server_pid, where = server.url, server.process.pid, str(target)
-        rows = run_load(cfg, url, model_name=model_name, server_pid=server_pid, progress=progress)
+            if cfg.engine_alone:
+                from specpipe.bench.load_alone import EngineAlone
+
+                alone = EngineAlone.of_repository(repo, model_name)
+        rows = run_load(cfg, url, model_name=model_name, server_pid=server_pid, progress=progress, alone=alone)
     machine = describe_machine(served.get("threads_per_instance")).as_dict()
     settings = cfg.model_dump(mode="json")
     return [{

@@ -59,6 +59,25 @@ def print_table(report: dict, console=None) -> None:
         for level in run["levels"]:
             for message, count in level["error_messages"].items():
                 console.print(f"  {level['concurrency']} users, {count} x error: {message}")
+            if level.get("engine_alone"):
+                console.print(f"  {level['concurrency']} users: {engine_alone_line(level)}")
+
+
+def engine_alone_line(level: dict) -> str:
+    """The level against the served engine alone (bench/load_alone.py), in one line."""
+    alone = level["engine_alone"]
+    parts = []
+    decode = alone.get("decode")
+    if decode:
+        parts.append(f"the engine alone ({alone['threads']} threads, in process) decodes {decode['rows']} rows at "
+                     f"{decode['tokens_per_s']:.1f} tokens/s ({decode['step_ms']:.1f} ms a step); served steady: "
+                     f"{_fmt(alone.get('served_share'), '.0%')} of it")
+    burst = alone.get("burst_prefill")
+    if burst and burst.get("ms"):
+        parts.append(f"the burst's {burst['prompts']} prompts ({burst['prompt_tokens']} tokens) prefill alone in "
+                     f"{burst['ms']:.0f} ms ({len(burst['calls'])} calls); first requests' TTFT p95 "
+                     f"{_fmt(level.get('first_ttft_ms_p95'), '.0f')} ms = {_fmt(alone.get('burst_ttft_ratio'), '.2f')}x")
+    return "; ".join(parts)
 
 
 def _ratio(level: dict, base: dict, key: str = "steady_tokens_per_s") -> Optional[float]:

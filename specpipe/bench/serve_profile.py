@@ -7,7 +7,8 @@ Within the steady window (every user has a request in flight; bench/load.py), th
 splits into its engine calls by kind (prefill, decode, stopped decodes, drafts, verifies) and the rest (`between
 calls`: Python between calls, waiting for the GIL or a core). Besides: CPU seconds of tritonserver, the model's
 stub process and this client process, the answering threads' CPU and send time per token, and the decode calls'
-rate (tokens / time in decode calls) against what the users received.
+rate (tokens / time in decode calls) against what the users received and against the same engine alone in this
+process right after the level (bench/load_alone.py: a full batch's one-token steps over the same prompts).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def profile_level(target: Path, users: int, per_user: int, max_tokens: int, out_
 
     from specpipe.bench.config import LoadConfig
     from specpipe.bench.load import _repository, _started_server, request_tensors
+    from specpipe.bench.load_alone import EngineAlone
     from specpipe.bench.prompts import packaged_set
     from specpipe.machine import describe_machine
     from specpipe.triton.client import DEFAULT_MODEL
@@ -77,6 +79,7 @@ def profile_level(target: Path, users: int, per_user: int, max_tokens: int, out_
     try:
         with ExitStack() as stack:
             repo = stack.enter_context(_repository(Path(target), DEFAULT_MODEL))
+            alone = EngineAlone.of_repository(repo, DEFAULT_MODEL)  # before the server: its load is not in the level
             server = stack.enter_context(_started_server(repo, lambda line: None))
             processes = {"tritonserver": psutil.Process(server.process.pid)}
             stubs = [p for p in processes["tritonserver"].children(recursive=True) if "stub" in p.name()]
@@ -90,6 +93,7 @@ def profile_level(target: Path, users: int, per_user: int, max_tokens: int, out_
                               stagger_s=stagger_s)
             ended = time.time()
             cpu_s = {name: cpu(p) - cpu0[name] for name, p in processes.items()}
+            engine_alone = alone.measure([make(i) for i in range(users)], burst=False, runs=3)
     finally:
         os.environ.pop(PROFILE_ENV, None)
     served = [json.loads(path.read_text()) for path in out_dir.glob(PROFILE_FILE)]  # written as the server stopped
@@ -106,12 +110,18 @@ def profile_level(target: Path, users: int, per_user: int, max_tokens: int, out_
         "level": {k: v for k, v in summary.items() if not isinstance(v, (list, dict))},
         "scheduler": per_instance, "scheduler_whole_level": whole_level,  # steady window; ramp-up and tail too
         "decode_calls_tokens_per_s": decode["tokens"] / decode["s"] if decode and decode["s"] else None,
+        "decode_call_ms": decode["s"] / decode["calls"] * 1e3 if decode and decode["calls"] else None,
+        "decode_call_rows": decode["rows"] / decode["calls"] if decode and decode["calls"] else None,
+        # the same engine in this process right after, on the users' first prompts: its full batch's rate
+        "engine_alone": engine_alone,
         "cpu_s": cpu_s, "tokens": tokens,
         "cpu_ms_per_token": {name: s / tokens * 1e3 for name, s in cpu_s.items()} if tokens else {},
         "answers": {"requests": len(answers),
                     "cpu_ms_per_token": sum(a["cpu_s"] for a in answers) / max(1, sum(a["tokens"] for a in answers)) * 1e3,
                     "send_ms_per_response": sum(a["send_s"] for a in answers) / max(1, sum(a["responses"] for a in answers)) * 1e3,
-                    "tokens_per_response": sum(a["tokens"] for a in answers) / max(1, sum(a["responses"] for a in answers))},
+                    "tokens_per_response": sum(a["tokens"] for a in answers) / max(1, sum(a["responses"] for a in answers)),
+                    "cancel_check_ms": sum(a.get("cancel_check_s", 0.0) for a in answers)
+                                       / max(1, sum(a.get("cancel_checks", 0) for a in answers)) * 1e3},
     }
 
 

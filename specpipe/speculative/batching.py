@@ -23,7 +23,7 @@ running batch at any step and leave when done; one thread runs the steps. Each s
      with drafts runs its own call on [last token, x_1..x_K] (engines/shared_kv.py says why);
   4. accept each x_i with min(1, p/q), resample the first rejection from norm(max(0, p - q)), or add the
      bonus token (settle.py, the step decoder.py also runs), roll the request's cache back to what it accepted, and
-     hand the emitted tokens to its reader.
+     hand the emitted tokens to its reader, who is woken just before the next engine call (`_deliver`).
 
 Each request keeps its own random generator, sampling settings, stop conditions and statistics, and its
 tokens are the ones the single-request decoder would produce: a row's logits do not depend on the other
@@ -120,6 +120,19 @@ class BatchScheduler:
         self._thread: Optional[threading.Thread] = None
         self.thread_id: Optional[int] = None
         self.trace: Optional[StepTrace] = None  # set to a StepTrace to record every engine call (a profile)
+        self._outbox: list[tuple[queue.Queue, object]] = []  # readers' items, handed over at the next engine call
+
+    def _hand_over(self, request: _Request, item) -> None:
+        self._outbox.append((request.out, item))
+
+    def _deliver(self) -> None:
+        """Wake the readers of everything settled since the last engine call. Called just before the next call (and
+        before the loop waits idle): a woken reader (the Triton model's answering thread detokenizes, builds its
+        response and sends it) then runs while ONNX Runtime computes with the GIL released, not beside this thread's
+        Python between two calls, which it stretched from 0.9 ms in process to 4 ms served (docs/batching.md)."""
+        outbox, self._outbox = self._outbox, []
+        for out, item in outbox:
+            out.put(item)
 
     def _traced(self, kind: str, rows: int, tokens: int, t0: float) -> None:
         if self.trace is not None:
@@ -158,6 +171,31 @@ class BatchScheduler:
         finally:
             request.cancelled = True  # a reader that stops early (stop string, client gone) frees the row
 
+    def prefill_alone(self, requests: Sequence[tuple[Sequence[int], GenerationConfig]]) -> StepTrace:
+        """The prefill a burst of these requests (prompt ids, settings) costs on this scheduler with nothing else
+        running: all waiting at once, admitted and prefilled by the loop's own phase 0 (`_admit`, `_prefill`: its
+        prompts-per-call rule and `prefill_chunk`), no decode step between; each request stops at its first token
+        and its row is released. For a scheduler that serves nothing (bench/load_alone.py measures a served burst
+        against it). Returns the engine calls' trace."""
+        if self.running or self.waiting or (self._thread is not None and self._thread.is_alive()):
+            raise RuntimeError("prefill_alone() needs a scheduler that serves nothing")
+        kept_trace, kept_join = self.trace, self._next_join
+        self.trace = StepTrace()
+        try:
+            for prompt_ids, cfg in requests:
+                first_only = cfg.model_copy(update={"max_new_tokens": 1})
+                self.waiting.append(_Request(list(prompt_ids), first_only, SpecStats(), self.eos_token_ids))
+            while self.waiting or self.running:
+                self._admit()
+                self._prefill()
+            return self.trace
+        finally:
+            for request in list(self.running):
+                self._finish(request)
+            self.waiting.clear()
+            self._deliver()
+            self.trace, self._next_join = kept_trace, kept_join
+
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, name="specpipe-batch", daemon=True)
@@ -170,6 +208,7 @@ class BatchScheduler:
         while True:
             with self._wake:
                 while not self.waiting and not self.running:
+                    self._deliver()
                     self._wake.wait()
                 self._admit()
             try:
@@ -177,6 +216,7 @@ class BatchScheduler:
             except Exception as err:  # fail every running request, keep serving new ones
                 for request in list(self.running):
                     self._fail(request, err)
+                self._deliver()
 
     def _admit(self) -> None:
         self._preempt.clear()  # the loop has seen every request waiting now
@@ -213,6 +253,8 @@ class BatchScheduler:
         ks = self._draft_lengths(ready)
 
         # 2. Draft, all speculating requests together.
+        if any(ks):
+            self._deliver()
         t0 = time.perf_counter()
         proposals = self._propose(ready, ks)
         t1 = time.perf_counter()
@@ -233,6 +275,7 @@ class BatchScheduler:
                 target_logits[i] = logits[j : j + 1]  # [1, vocab]
         for i, proposal in enumerate(proposals):
             if proposal.tokens:
+                self._deliver()
                 tv = time.perf_counter()
                 target_logits[i] = ready[i].row.append([ready[i].context[-1], *proposal.tokens])  # [K+1, vocab]
                 self._traced("verify", 1, len(proposal.tokens) + 1, tv)
@@ -254,6 +297,7 @@ class BatchScheduler:
         when no request drafted this step (drafts already made would be lost). Running requests cannot starve:
         each stop admits a request into a free row, and there are at most max_batch_size of them."""
         preempt = self._preempt if preemptible else None
+        self._deliver()
         t0 = time.perf_counter()
         try:
             logits = self.batch.decode([r.row for r in requests], [r.context[-1] for r in requests], preempt)
@@ -287,15 +331,18 @@ class BatchScheduler:
                 target_s: float) -> None:
         """Judge one request's step and hand its emitted tokens to its reader (settle.py); its cache then holds
         the new context but its last token, which the next step feeds."""
-        request.out.put(settle(request, proposal, target_logits, draft_s=draft_s, target_s=target_s))
+        self._hand_over(request, settle(request, proposal, target_logits, draft_s=draft_s, target_s=target_s))
         if request.finished:
             self._finish(request)
 
     def _prefill(self) -> None:
         """Feed new requests' prompts into their rows, `prefill_chunk` tokens a step in all: whole prompts that fit
-        in one batched call (`EngineBatch.prefill`), a longer one in chunks, alone. The call that takes a
-        prompt's last token also gives the request's first token (a target-only step), at once. Requests whose
-        first tokens come between the same two steps join the batched steps one step apart (module docstring)."""
+        in one batched call (`EngineBatch.prefill`), a prompt longer than `prefill_chunk` in chunks, alone. A prompt
+        that fits a call but not what is left of this step's waits for the next step's call, whole: a chunk of it
+        now would be one more call (a burst of 16 ~18-token prompts took 4 calls, 2 of them single-row ones). The
+        call that takes a prompt's last token also gives the request's first token (a target-only step), at once.
+        Requests whose first tokens come between the same two steps join the batched steps one step apart
+        (module docstring)."""
         budget = self.prefill_chunk
         new = [r for r in self.running if r.produced == 0]
         whole, taken = [], 0
@@ -303,7 +350,9 @@ class BatchScheduler:
             if len(request.row) == 0 and taken + len(request.context) <= budget:
                 whole.append(request)
                 taken += len(request.context)
+        chunked = [r for r in new if r not in whole and (len(r.row) or len(r.context) > self.prefill_chunk)]
         if whole:
+            self._deliver()
             t0 = time.perf_counter()
             logits = self.batch.prefill([r.row for r in whole], [r.context for r in whole])
             self._traced("prefill", len(whole), taken, t0)
@@ -311,11 +360,12 @@ class BatchScheduler:
                 request.features_from = 0
                 self._started(request, logits[i : i + 1], time.perf_counter() - t0)
             budget -= taken
-        for request in [r for r in new if r not in whole]:
+        for request in chunked:
             if budget <= 0:
                 break
             start = len(request.row)
             take = min(len(request.context) - start, budget)
+            self._deliver()
             t0 = time.perf_counter()
             logits = request.row.append(request.context[start : start + take])
             self._traced("prefill-chunk", 1, take, t0)
@@ -357,8 +407,8 @@ class BatchScheduler:
         if request.draft is not None:
             request.draft.close()  # a batched model draft frees its row
         if done:
-            request.out.put(_DONE)
+            self._hand_over(request, _DONE)
 
     def _fail(self, request: _Request, err: Exception) -> None:
-        request.out.put(err if isinstance(err, SpecpipeError) else RuntimeError(f"{type(err).__name__}: {err}"))
+        self._hand_over(request, err if isinstance(err, SpecpipeError) else RuntimeError(f"{type(err).__name__}: {err}"))
         self._finish(request, done=False)

@@ -167,6 +167,8 @@ def summarize_level(level: LevelRun) -> dict:
         "request_tokens_per_s_p50": percentile(request_rates, 50),
         "ttft_ms_p50": percentile(ttft, 50),
         "ttft_ms_p95": percentile(ttft, 95),
+        # each user's first request: with burst arrivals, the burst (every prompt sent at once)
+        "first_ttft_ms_p95": percentile([r.ttft_ms for r in first_requests(done)], 95),
         "itl_ms_p50": percentile(itl, 50),
         "itl_ms_p95": percentile(itl, 95),
         "rss_mb": rss_summary(level.rss_bytes),
@@ -175,6 +177,15 @@ def summarize_level(level: LevelRun) -> dict:
         "drafted_per_token": drafted_tokens / tokens if drafted and tokens else (0.0 if drafted else None),
         "acceptance": sum(r.accepted for r in drafted) / drafted_tokens if drafted_tokens else None,
     }
+
+
+def first_requests(records: list[RequestRecord]) -> list[RequestRecord]:
+    """Each user's first request (its lowest index)."""
+    first: dict[int, RequestRecord] = {}
+    for record in records:
+        if record.stream not in first or record.index < first[record.stream].index:
+            first[record.stream] = record
+    return list(first.values())
 
 
 def steady_tokens_per_s(records: list[RequestRecord], concurrency: int) -> Optional[float]:

@@ -28,6 +28,8 @@ class AnswerRecord:
     end: float = 0.0
     cpu_s: float = 0.0  # the answering thread's CPU time (detokenizing, tensors, sends)
     send_s: float = 0.0  # wall time building pb_utils tensors and inside sender.send
+    cancel_check_s: float = 0.0  # wall time inside sender.is_cancelled (a round trip to tritonserver)
+    cancel_checks: int = 0
     responses: int = 0
     tokens: int = 0
 

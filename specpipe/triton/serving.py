@@ -15,16 +15,33 @@ the llmapi model's shapes (max_batch_size 0: no leading batch dimension on the o
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Mapping, Optional
 
 import numpy as np
 from pydantic import ValidationError
 
+from specpipe.contract.generation import GenerationConfig
 from specpipe.errors import UsageError
 from specpipe.speculative.generator import Generation, SpecGenerator
 from specpipe.triton.protocol import LLMAPI_FINISH_REASON, ServedRequest, parse_request
+from specpipe.triton.repository import ModelParameters
+
+
+def load_served(engine_dir: Path, params: ModelParameters, instance_count: int):
+    """The deployment as the served model opens it (model.py's initialize; bench/load_alone.py measures the same
+    beside a server): batching, the model's limits, the instance's share of the cores. Its target's worker
+    threads block instead of spinning while they wait inside a call: spinning ones take the cores from this
+    process's answering threads, tritonserver and the clients; on a loaded 2-core machine blocking served 16
+    streams 1.3-1.8x faster, on a quiet one the two did not differ measurably (docs/batching.md)."""
+    from specpipe.deployment import load_deployment
+
+    return load_deployment(engine_dir, threads=params.threads_per_instance(instance_count, os.cpu_count()),
+                           batching=True, max_batch_size=params.max_batch_size or None, max_queue=params.max_queue,
+                           spinning=False)
 
 
 @dataclass
@@ -48,10 +65,8 @@ class ServedModel:
     def replies(self, tensors: Mapping[str, np.ndarray]) -> Iterator[Reply]:
         """Validate, then generate. Bad requests raise UsageError before the first reply."""
         arrival_ns = time.time_ns()
-        request = parse_request(tensors)
-        generator = self._generator(request.end_id)
-        config = self._generation_config(request)
-        generation = generator.start(generator.encode(request.prompt, request.chat), config)  # checks the context
+        request, generator, prompt_ids, config = self.prepared(tensors)
+        generation = generator.start(prompt_ids, config)  # checks the context
         clock = _Clock(arrival_ns)
 
         if request.stream:
@@ -69,6 +84,14 @@ class ServedModel:
             exclude = self.exclude_input_in_output if request.exclude_input_in_output is None else request.exclude_input_in_output
             text = result.text if exclude else request.prompt + result.text
             yield Reply(self._shaped(self._final(generation, text, result.token_ids, request, clock)), final=True)
+
+    def prepared(self, tensors: Mapping[str, np.ndarray]) -> tuple[ServedRequest, SpecGenerator, list[int], GenerationConfig]:
+        """A request as this model decodes it: parsed, its generator (its end_id), its prompt's token ids (the chat
+        template applied when it asks) and its settings. Bad requests raise UsageError."""
+        request = parse_request(tensors)
+        generator = self._generator(request.end_id)
+        config = self._generation_config(request)
+        return request, generator, generator.encode(request.prompt, request.chat), config
 
     def _shaped(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Without a batch dimension (the llmapi model's max_batch_size 0), [1, ...] outputs lose their first axis."""
