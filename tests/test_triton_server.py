@@ -396,10 +396,12 @@ def _regions_of(repo: Path) -> list[str]:
     return [path.name for path in SHM_DIR.glob(repository_prefix(repo) + "*")]
 
 
-def _stream_in_background(url: str, cfg: GenerationConfig) -> dict:
+def _stream_in_background(url: str, cfg: GenerationConfig, *, wait: bool = True) -> dict:
     """A streamed request on a thread: `first` is set at its first response (or its end); then `error` and
-    `failed_at` (time.monotonic()) once it fails."""
-    state = {"first": threading.Event(), "error": None, "failed_at": None, "done": threading.Event()}
+    `failed_at` (time.monotonic()) once it fails; `ended_at` and `done` once it ends either way. `wait`: return
+    only after its first response."""
+    state = {"first": threading.Event(), "error": None, "failed_at": None, "ended_at": None, "crash": None,
+             "done": threading.Event()}
 
     def run() -> None:
         try:
@@ -407,12 +409,20 @@ def _stream_in_background(url: str, cfg: GenerationConfig) -> dict:
                 state["first"].set()
         except ServerError as err:
             state["error"], state["failed_at"] = str(err), time.monotonic()
+        except BaseException as exc:  # anything else is a client defect: recorded for the assertion, not lost
+            state["crash"] = f"{type(exc).__name__}: {exc}"
+        state["ended_at"] = time.monotonic()
         state["first"].set()
         state["done"].set()
 
     threading.Thread(target=run, daemon=True).start()
-    assert state["first"].wait(60) and state["error"] is None, state["error"]
+    if wait:
+        _assert_started(state)
     return state
+
+
+def _assert_started(state: dict) -> None:
+    assert state["first"].wait(60) and state["error"] is None and state["crash"] is None, state
 
 
 # A bound on waits for things that must happen (a client's error, a stub's exit), not a speed target: on a
@@ -478,14 +488,24 @@ def test_stubs_exit_by_themselves_and_the_next_server_ends_one_that_could_not(bu
     with server:
         stubs = _stubs_of(repo)
         assert len(stubs) == 2 and sorted(_regions_of(repo)) == sorted(stub.shm_region for stub in stubs)
-        requests = [_stream_in_background(server.url, IN_FLIGHT) for _ in stubs]  # one in flight on each stub
+        # One in flight on each stub, started together: a request started after another's first response could
+        # find it finished (CI, loaded: ~400 tokens of this tiny pair ran out before the second one began).
+        requests = [_stream_in_background(server.url, IN_FLIGHT, wait=False) for _ in stubs]
+        for request in requests:
+            _assert_started(request)
         stuck, free = stubs
         os.kill(stuck.pid, signal.SIGSTOP)
         try:
             killed = time.monotonic()
             server.process.kill()
             server.process.wait()
-            assert all(request["done"].wait(DEADLINE_S) and request["error"] for request in requests)
+            # No client hangs; every request still running when the server died fails with a clear error (one
+            # that had ended before the kill, on a fast machine, is no evidence either way).
+            for request in requests:
+                assert request["done"].wait(DEADLINE_S), f"a client got no error within {DEADLINE_S} s: {request}"
+                assert request["crash"] is None, request
+            cut = [request for request in requests if request["ended_at"] >= killed]
+            assert cut and all(request["error"] for request in cut), requests
             # Our watchdog, or the stub's own check once the server is reaped (that one can hang with a request
             # in flight, and may leave the region: the next server removes it then).
             exit_s = _wait_until(lambda: free.pid not in [stub.pid for stub in _stubs_of(repo)], DEADLINE_S, since=killed)
