@@ -47,9 +47,14 @@ class Teacher:
     def cache_key(self) -> dict:
         """What the teacher cache's key says about the teacher. torch keys stay as they were (`dtype`), so torch
         teacher caches made before the ONNX teacher existed stay valid."""
+        from specpipe.contract.quant import DEFAULT_GROUP_SIZE, QuantConfig
+
         if self.engine == "torch":
             return {"dtype": self.precision}
-        return {"teacher": {"engine": "onnxruntime", "graph": "model builder, shared KV", "quant": self.precision}}
+        teacher = {"engine": "onnxruntime", "graph": "model builder, shared KV", "quant": self.precision}
+        if self.precision in DEFAULT_GROUP_SIZE:  # the recipe's block size: answers of another recipe are another teacher's
+            teacher["block_size"] = QuantConfig(mode=self.precision).block_size
+        return {"teacher": teacher}
 
 
 def teacher_candidates(engine: str, dtype: str, device, quants: Sequence[str], data: Sequence[str]) -> list[Teacher]:

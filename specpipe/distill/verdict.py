@@ -53,7 +53,7 @@ def export_engine(checkpoint: Path, out: Path, *, feature_layers: Sequence[int] 
     elif quant in BUILDER_RECIPES:
         recipe = BUILDER_RECIPES[quant]
         run_model_builder(checkpoint, out, recipe.precision, out / "cache", feature_layers=list(feature_layers) or None,
-                          extra_options=recipe.options(QuantConfig(mode=quant).group_size))
+                          extra_options=recipe.options(QuantConfig(mode=quant).block_size))
     else:
         raise ValueError(f"the verdict times targets at {', '.join(['none', *BUILDER_RECIPES])}, not {quant}")
     write_engine_meta(out, vocab_size=info.vocab_size, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,

@@ -106,7 +106,7 @@ def quantize_onnx(src_dir: Path, dst_dir: Path, cfg: QuantConfig, calib: Sequenc
         if cfg.mode in ("int8-wo", "int4-wo"):
             from specpipe.quantize.weight_only import quantize_weight_only
 
-            save_model(quantize_weight_only(model, mode=cfg.mode, group_size=cfg.group_size), dst_dir)
+            save_model(quantize_weight_only(model, mode=cfg.mode, group_size=cfg.block_size), dst_dir)
         else:
             from specpipe.quantize.static import quantize_calibrated
 
@@ -128,14 +128,14 @@ def quantize_onnx(src_dir: Path, dst_dir: Path, cfg: QuantConfig, calib: Sequenc
         mode=cfg.mode,
         quantized_layers=layers,
         untied_weights=untied,
-        group_size=cfg.group_size if weight_only else None,
+        group_size=cfg.block_size if weight_only else None,
         calib_sequences=len(calib_used),
         calib_tokens=sum(len(ids) for ids in calib_used),
         smooth_quant=cfg.smooth_quant and cfg.mode == "int8",
         src_bytes=folder_bytes(src_dir),
         dst_bytes=folder_bytes(dst_dir),
         seconds=round(time.perf_counter() - started, 2),
-        recipe=recipe_record(cfg.mode, cfg.group_size) if weight_only else None,
+        recipe=recipe_record(cfg.mode, cfg.block_size) if weight_only else None,
     )
 
 
@@ -157,15 +157,15 @@ def quantize_with_builder(checkpoint_dir: Path, src_dir: Path, dst_dir: Path, cf
     dst_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="specpipe-builder-", dir=dst_dir.parent) as raw:
         run_model_builder(checkpoint_dir, Path(raw) / "out", recipe.precision, Path(raw) / "cache",
-                          extra_options=recipe.options(cfg.group_size), feature_layers=meta.get("feature_layers"))
+                          extra_options=recipe.options(cfg.block_size), feature_layers=meta.get("feature_layers"))
         for path in model_files(Path(raw) / "out"):  # its genai_config.json and tokenizer files are not ours to keep
             shutil.move(str(path), dst_dir / path.name)
     (dst_dir / ENGINE_META).write_text(json.dumps({**meta, "quant": cfg.mode}, indent=2) + "\n")
     return QuantResult(
         mode=cfg.mode, quantized_layers=_count_nodes(dst_dir, "MatMulNBits"), untied_weights=[],
-        group_size=cfg.group_size, calib_sequences=0, calib_tokens=0, smooth_quant=False,
+        group_size=cfg.block_size, calib_sequences=0, calib_tokens=0, smooth_quant=False,
         src_bytes=folder_bytes(src_dir), dst_bytes=folder_bytes(dst_dir), seconds=round(time.perf_counter() - started, 2),
-        recipe=recipe.as_dict(cfg.group_size),
+        recipe=recipe.as_dict(cfg.block_size),
     )  # fmt: skip
 
 
