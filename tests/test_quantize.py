@@ -330,7 +330,7 @@ def test_group_size_must_be_a_power_of_two():
 
 
 def test_each_weight_only_mode_has_its_measured_block_size_and_group_size_overrides_it():
-    """int8-wo quantizes in blocks of 64 (docs/quantization.md: 1.22x faster than 32 at one row, inside the
+    """int8-wo quantizes in blocks of 64 (docs/quantization.md: ~1.15x faster than 32 at one row, inside the
     budget), int4-wo in 32; --group-size wins, and the builder is asked for the size the config resolves."""
     from specpipe.export.ortgenai_builder import builder_argv
     from specpipe.quantize.weight_only import BUILDER_RECIPES

@@ -40,11 +40,12 @@ class AccuracyBudget(Strict):
 
 
 # Weights per MatMulNBits block, by mode. int8-wo: 64, measured (docs/quantization.md, "int8-wo's block size"): on
-# SmolLM2-135M's builder graph (Zen 4, VNNI) a one-row step took 7.85 ms at 32, 6.46 at 64, 6.36 at 128 (2 threads;
-# 1 thread 9.37 / 7.70 / 6.98), with top-1 agreement against fp32 0.976 / 0.960 / 0.927 and mean KL 0.006 / 0.011 /
-# 0.019: 64 buys nearly all of the speed inside the accuracy budget, and a hidden size of 576 is no multiple of 128
-# (padded blocks). MLAS pays per block (a scale and a sum per block of int8 products), so fewer blocks cost less on
-# any ISA; accuracy depends on the weights, not the CPU. int4-wo: 32, as measured for its recipe (k_quant_mixed).
+# SmolLM2-135M's builder graph (Zen 4, VNNI) a one-row step, median over 6-8 processes (one process's numbers move
+# ±10% with where the weights land), took 7.53 ms at 32, 6.46 at 64, 6.15 at 128 (2 threads; 1 thread 10.61 / 9.2 /
+# 8.35), with top-1 agreement against fp32 0.976 / 0.960 / 0.927 and mean KL 0.006 / 0.011 / 0.019: 64 buys most of
+# the speed inside the accuracy budget at half 128's KL, and a hidden size of 576 is no multiple of 128 (padded
+# blocks). MLAS pays per block (a scaled partial sum per block of int8 products), so fewer blocks cost less on any
+# ISA; accuracy depends on the weights, not the CPU. int4-wo: 32, as measured for its recipe (k_quant_mixed).
 DEFAULT_GROUP_SIZE = {"int8-wo": 64, "int4-wo": 32}
 
 
