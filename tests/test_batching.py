@@ -145,11 +145,10 @@ def test_planted_bug_prefill_reading_the_padded_position_fails(pair, torch_targe
 
     original = shared_kv.SharedKVEngine.run
 
-    def padded_end(self, buffers, input_ids, lengths, preempt=None, new_lengths=None):
-        out = original(self, buffers, input_ids, lengths, preempt, new_lengths)
-        if new_lengths is not None:
-            out[np.arange(len(out)), new_lengths - 1] = out[:, -1]
-        return out
+    def padded_end(self, buffers, input_ids, lengths, preempt=None, new_lengths=None, logits_at=None):
+        if new_lengths is not None and logits_at is not None:  # every row's logits at the longest prompt's end
+            logits_at = np.full_like(logits_at, input_ids.shape[1] - 1)
+        return original(self, buffers, input_ids, lengths, preempt, new_lengths, logits_at)
 
     monkeypatch.setattr(shared_kv.SharedKVEngine, "run", padded_end)
     prompts = prompts_of([9, 4, 13])
@@ -410,11 +409,12 @@ def test_planted_binding_bugs_fail(pair, torch_target, monkeypatch, planted):
     import specpipe.engines.shared_kv as shared_kv
 
     if planted == "returns the kept buffer":  # no copy out of the output buffer the next call overwrites
-        def forward(self, token_ids):
+        def forward(self, token_ids, last=None):
             batch, pad = self.batch, max(0, self.batch.engine.min_rows - len(token_ids))
             batch._reserve(len(self.tokens) + len(token_ids) + pad)
             ids = np.asarray([token_ids + token_ids[-1:] * pad])
-            return batch.engine.run(batch._binding(self.slot, 1, False), ids, np.array([len(self.tokens)]))[0, : len(token_ids)]
+            at = np.arange(len(token_ids) - min(last or len(token_ids), len(token_ids)), len(token_ids))[None, :]
+            return batch.engine.run(batch._binding(self.slot, 1, False), ids, np.array([len(self.tokens)]), logits_at=at)[0]
 
         monkeypatch.setattr(shared_kv.SlotSequence, "_forward", forward)
     else:

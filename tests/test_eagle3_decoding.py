@@ -494,8 +494,8 @@ def test_batched_calls_give_each_row_its_features(target):
 def test_planted_bug_rows_getting_each_others_features_fails(target, monkeypatch):
     real = type(target).run_with_features
 
-    def swapped(self, buffers, input_ids, lengths, preempt=None, new_lengths=None):
-        logits, features = real(self, buffers, input_ids, lengths, preempt, new_lengths)
+    def swapped(self, buffers, input_ids, lengths, preempt=None, new_lengths=None, logits_at=None):
+        logits, features = real(self, buffers, input_ids, lengths, preempt, new_lengths, logits_at)
         return logits, np.roll(features, 1, axis=0) if len(features) > 1 else features
 
     monkeypatch.setattr(type(target), "run_with_features", swapped)

@@ -39,14 +39,21 @@ class EngineSequence(ABC):
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def append(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Run the model on `token_ids` after the cache. Returns logits, float32 [len(token_ids), vocab]."""
+    # Whether _forward takes `last` and computes only those logits (export/logit_positions.py); else append slices.
+    selects_logits = False
+
+    def append(self, token_ids: Sequence[int], last: Optional[int] = None) -> np.ndarray:
+        """Run the model on `token_ids` after the cache. Returns logits, float32 [len(token_ids), vocab], or with
+        `last` those of the last `last` positions only: a prompt's call wants one, and an engine that can skips the
+        LM head on the rest (19-20% of a SmolLM2-135M prompt's call, docs/benchmarks.md)."""
         token_ids = [int(t) for t in token_ids]
         if not token_ids:
             raise ValueError("append() needs at least one token")
-        logits = self._forward(token_ids)
+        if last is not None and last < 1:
+            raise ValueError(f"append() cannot return the last {last} positions' logits")
+        logits = self._forward(token_ids, last) if self.selects_logits else self._forward(token_ids)
         self.tokens.extend(token_ids)
-        return logits
+        return logits if last is None or self.selects_logits else logits[-last:]
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` cached tokens (rollback after a rejected draft)."""
@@ -56,13 +63,14 @@ class EngineSequence(ABC):
             self._truncate_cache(length)
             del self.tokens[length:]
 
-    def sync(self, context: Sequence[int]) -> np.ndarray:
+    def sync(self, context: Sequence[int], last: Optional[int] = None) -> np.ndarray:
         """Make the cache hold exactly `context`, reusing the longest cached prefix.
 
-        Returns the logits of the positions that had to be (re)computed, the last of which predicts the
-        token after `context`. At least the last token is always recomputed so there is a logit to return.
+        Returns the logits of the positions that had to be (re)computed (with `last`, of at most the last `last`
+        of them), the last of which predicts the token after `context`. At least the last token is always
+        recomputed so there is a logit to return.
         """
-        return self.append(self.rewind_to(context))
+        return self.append(self.rewind_to(context), last)
 
     def rewind_to(self, context: Sequence[int]) -> list[int]:
         """`sync`'s first half: truncate the cache to the longest prefix it shares with `context` (never all of
@@ -174,7 +182,7 @@ class EngineBatch:
         runs rows one by one; engines/shared_kv.py runs them in one call."""
         if len(rows) != len(prompts):
             raise ValueError(f"{len(rows)} rows but {len(prompts)} prompts")
-        return np.stack([row.append(prompt)[-1] for row, prompt in zip(rows, prompts)])
+        return np.stack([row.append(prompt, last=1)[-1] for row, prompt in zip(rows, prompts)])
 
 
 class Engine(ABC):

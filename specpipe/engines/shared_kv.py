@@ -41,6 +41,7 @@ from specpipe.engines.base import (
 )
 from specpipe.errors import EngineError
 from specpipe.export.features import FEATURE_OUTPUT
+from specpipe.export.logit_positions import LOGITS_INDEX
 
 MODEL_FILE = "model.onnx"
 KV_LAYOUT = "shared"  # engine.json's `kv_layout` for this graph; absent means the concat graph (onnxruntime.py)
@@ -85,6 +86,9 @@ class SharedKVEngine(Engine):
         # Layer-output ids whose residual stream the graph also outputs (export/features.py); () when exported without.
         outputs = {o.name for o in self.session.get_outputs()}
         self.feature_layers = tuple(int(i) for i in self.meta.get("feature_layers") or ()) if FEATURE_OUTPUT in outputs else ()
+        # Whether the graph computes logits only at the positions a call asks for (export/logit_positions.py); an
+        # engine exported before that computes them everywhere and run_outputs slices.
+        self.selects_logits = LOGITS_INDEX in inputs
 
     def new_sequence(self) -> EngineSequence:
         """A sequence with a buffer of its own (a one-row batch)."""
@@ -107,28 +111,31 @@ class SharedKVEngine(Engine):
         return KVBinding(self, binding, ("logits", *extra_outputs))
 
     def run(self, buffers: "list[np.ndarray] | KVBinding", input_ids: np.ndarray, lengths: np.ndarray,
-            preempt: Optional[Preemption] = None, new_lengths: Optional[np.ndarray] = None) -> np.ndarray:
-        """Logits [rows, n, vocab] of one session call (see `run_outputs`)."""
-        return self.run_outputs(buffers, input_ids, lengths, preempt, new_lengths)[0]
+            preempt: Optional[Preemption] = None, new_lengths: Optional[np.ndarray] = None,
+            logits_at: Optional[np.ndarray] = None) -> np.ndarray:
+        """Logits [rows, m, vocab] of one session call (see `run_outputs`)."""
+        return self.run_outputs(buffers, input_ids, lengths, preempt, new_lengths, logits_at=logits_at)[0]
 
     def run_with_features(self, buffers: "list[np.ndarray] | KVBinding", input_ids: np.ndarray, lengths: np.ndarray,
-                          preempt: Optional[Preemption] = None,
-                          new_lengths: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
-        """(logits [rows, n, vocab], features [rows, n, hidden * len(feature_layers)]) of one session call, on an
+                          preempt: Optional[Preemption] = None, new_lengths: Optional[np.ndarray] = None,
+                          logits_at: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+        """(logits [rows, m, vocab], features [rows, n, hidden * len(feature_layers)]) of one session call, on an
         engine exported with feature layers (export/features.py; engine.json `feature_layers`)."""
         if not self.feature_layers:
             raise EngineError(f"{self.folder} was exported without feature outputs (no {FEATURE_OUTPUT!r})")
         logits, features = self.run_outputs(buffers, input_ids, lengths, preempt, new_lengths,
-                                            extra_outputs=(FEATURE_OUTPUT,))
+                                            extra_outputs=(FEATURE_OUTPUT,), logits_at=logits_at)
         return logits, features
 
     def run_outputs(self, buffers: "list[np.ndarray] | KVBinding", input_ids: np.ndarray, lengths: np.ndarray,
                     preempt: Optional[Preemption] = None, new_lengths: Optional[np.ndarray] = None,
-                    extra_outputs: Sequence[str] = ()) -> list[np.ndarray]:
+                    extra_outputs: Sequence[str] = (), logits_at: Optional[np.ndarray] = None) -> list[np.ndarray]:
         """One session call. `buffers`: per KV input, [rows, kv_heads, capacity, head_dim] (written in place), or a
         `bind`ing of them kept from an earlier call (its outputs must be `extra_outputs`); input_ids [rows, n];
         lengths [rows]: each row's cached tokens before the call; new_lengths [rows]: the tokens of each row's
-        input that are real (right padding; default all n). Returns [logits [rows, n, vocab], *extra_outputs]; an
+        input that are real (right padding; default all n); logits_at [rows, m]: the positions (within each row's
+        n new tokens) whose logits are wanted, default all n (a prompt's call wants its last one: the graph then
+        skips the LM head elsewhere, export/logit_positions.py). Returns [logits [rows, m, vocab], *extra_outputs]; an
         output of the graph not asked for is not bound (SmolLM2 with features bound or not: the same decode time as
         without them, measured 0.97-0.98x in alternating runs). Through a kept binding the arrays returned are its
         output buffers, which the binding's next call overwrites: copy what you keep.
@@ -145,22 +152,33 @@ class SharedKVEngine(Engine):
         mask = (np.arange(int(totals.max()))[None, :] < totals[:, None]).astype(np.int64)  # [rows, total]
         kv.binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         kv.binding.bind_cpu_input("attention_mask", mask)
-        outputs = kv.bind_outputs(rows, new)
+        if logits_at is not None:
+            logits_at = np.ascontiguousarray(logits_at, dtype=np.int64).reshape(rows, -1)
+        if self.selects_logits:
+            kv.binding.bind_cpu_input(LOGITS_INDEX, logits_at if logits_at is not None else _all_positions(rows, new))
+        picked = new if logits_at is None or not self.selects_logits else logits_at.shape[1]
+        outputs = kv.bind_outputs(rows, new, picked)
         try:
             if preempt is None:
                 self.session.run_with_iobinding(kv.binding)
-                return outputs
-            run_options = ort.RunOptions()
-            with preempt.running(lambda: setattr(run_options, "terminate", True)):
-                try:
-                    self.session.run_with_iobinding(kv.binding, run_options)
-                except Exception:  # onnxruntime's RuntimeError "Exiting due to terminate flag being set to true"
-                    if preempt.requested:
-                        raise Preempted() from None
-                    raise
-            return outputs
+            else:
+                run_options = ort.RunOptions()
+                with preempt.running(lambda: setattr(run_options, "terminate", True)):
+                    try:
+                        self.session.run_with_iobinding(kv.binding, run_options)
+                    except Exception:  # onnxruntime's RuntimeError "Exiting due to terminate flag being set to true"
+                        if preempt.requested:
+                            raise Preempted() from None
+                        raise
         finally:
             kv.let_go()
+        if self.selects_logits or logits_at is None:
+            return outputs
+        return [outputs[0][np.arange(rows)[:, None], logits_at], *outputs[1:]]  # an older graph: sliced here
+
+
+def _all_positions(rows: int, new: int) -> np.ndarray:
+    return np.tile(np.arange(new, dtype=np.int64), (rows, 1))
 
 
 # Calls of at most this many new tokens a row (decode steps, speculative verification up to K = 16) write their
@@ -179,23 +197,25 @@ class KVBinding:
         self.widths = [int(outputs[name].shape[-1]) for name in output_names]  # vocab, hidden * layers
         self.dtypes = [np.float16 if outputs[name].type == "tensor(float16)" else np.float32 for name in output_names]
         self._kept: list[np.ndarray] = [np.empty((0, w), d) for w, d in zip(self.widths, self.dtypes)]  # [tokens, width]
-        self._bound: tuple[tuple[int, int], list[np.ndarray]] = ((0, 0), [])
+        self._bound: tuple[tuple[int, int, int], list[np.ndarray]] = ((0, 0, 0), [])
 
-    def bind_outputs(self, rows: int, new: int) -> list[np.ndarray]:
-        """The arrays the next call writes its outputs into: [rows, new, width] each."""
+    def bind_outputs(self, rows: int, new: int, picked: int) -> list[np.ndarray]:
+        """The arrays the next call writes its outputs into: logits [rows, picked, vocab], then [rows, new, width]
+        for each extra output."""
         import onnxruntime as ort
 
-        if self._bound[0] == (rows, new):
+        if self._bound[0] == (rows, new, picked):
             return self._bound[1]
+        tokens = [picked, *[new] * (len(self.widths) - 1)]
         if new <= _KEPT_OUTPUT_TOKENS:
-            if len(self._kept[0]) < rows * new:
-                self._kept = [np.empty((rows * new, w), d) for w, d in zip(self.widths, self.dtypes)]
-            arrays = [kept[: rows * new].reshape(rows, new, -1) for kept in self._kept]  # contiguous views
+            if any(len(kept) < rows * n for kept, n in zip(self._kept, tokens)):
+                self._kept = [np.empty((rows * max(new, picked), w), d) for w, d in zip(self.widths, self.dtypes)]
+            arrays = [kept[: rows * n].reshape(rows, n, -1) for kept, n in zip(self._kept, tokens)]  # contiguous views
         else:
-            arrays = [np.empty((rows, new, w), d) for w, d in zip(self.widths, self.dtypes)]
+            arrays = [np.empty((rows, n, w), d) for n, w, d in zip(tokens, self.widths, self.dtypes)]
         for name, array in zip(self.output_names, arrays):
             self.binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
-        self._bound = ((rows, new), arrays) if new <= _KEPT_OUTPUT_TOKENS else ((0, 0), [])
+        self._bound = ((rows, new, picked), arrays) if new <= _KEPT_OUTPUT_TOKENS else ((0, 0, 0), [])
         return arrays
 
     def let_go(self) -> None:
@@ -276,7 +296,7 @@ class KVBatch(EngineBatch):
         if any(row.batch is not self or row.slot < 0 or len(row) for row in rows):
             raise EngineError("prefill() takes rows of this batch with nothing cached")
         if len(rows) == 1:
-            return rows[0].append(prompts[0])[-1:]  # alone: the padded single-row path (min_rows)
+            return rows[0].append(prompts[0], last=1)  # alone: the padded single-row path (min_rows)
         order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
         runs, logits = [[order[0]]], np.zeros((len(rows), self.engine.vocab_size), np.float32)
         for i in order[1:]:  # consecutive slots, one call each (new rows usually are: they are added last)
@@ -294,13 +314,15 @@ class KVBatch(EngineBatch):
             lengths = np.zeros(len(run), np.int64)
             if any(rows[i].features is not None for i in run):  # a row whose drafter reads features (EAGLE-3)
                 kv = self._binding(first, len(run), True)
-                out, features = self.engine.run_with_features(kv, ids, lengths, new_lengths=sizes)
+                out, features = self.engine.run_with_features(kv, ids, lengths, new_lengths=sizes,
+                                                              logits_at=sizes[:, None] - 1)
                 for j, i in enumerate(run):
                     if rows[i].features is not None:
                         rows[i].features = features[j, : sizes[j]].copy()
             else:
-                out = self.engine.run(self._binding(first, len(run), False), ids, lengths, new_lengths=sizes)
-            logits[run] = out[np.arange(len(run)), sizes - 1]
+                out = self.engine.run(self._binding(first, len(run), False), ids, lengths, new_lengths=sizes,
+                                      logits_at=sizes[:, None] - 1)
+            logits[run] = out[:, 0]
         for row, prompt in zip(rows, prompts):
             row.tokens.extend(int(t) for t in prompt)
         return logits
@@ -339,7 +361,9 @@ class SlotSequence(EngineSequence):
         super().__init__()
         self.batch, self.slot = batch, slot
 
-    def _forward(self, token_ids: list[int]) -> np.ndarray:
+    selects_logits = True  # _forward computes only the logits asked for (export/logit_positions.py)
+
+    def _forward(self, token_ids: list[int], last: Optional[int] = None) -> np.ndarray:
         if self.slot < 0:
             raise EngineError("this row was released")
         batch, past_len, new_len = self.batch, len(self.tokens), len(token_ids)
@@ -347,11 +371,12 @@ class SlotSequence(EngineSequence):
         pad = max(0, min(batch.engine.min_rows - new_len, batch.engine.max_seq_len - past_len - new_len))
         batch._reserve(past_len + new_len + pad)
         ids, lengths = np.asarray([token_ids + token_ids[-1:] * pad]), np.array([past_len])
+        at = np.arange(new_len - min(last or new_len, new_len), new_len)[None, :]  # [1, m]: the logits wanted
         if self.features is None:
-            return batch.engine.run(batch._binding(self.slot, 1, False), ids, lengths)[0, :new_len].copy()
-        logits, features = batch.engine.run_with_features(batch._binding(self.slot, 1, True), ids, lengths)
+            return batch.engine.run(batch._binding(self.slot, 1, False), ids, lengths, logits_at=at)[0].copy()
+        logits, features = batch.engine.run_with_features(batch._binding(self.slot, 1, True), ids, lengths, logits_at=at)
         self.features = features[0, :new_len].copy()
-        return logits[0, :new_len].copy()
+        return logits[0].copy()
 
     def keep_features(self) -> None:
         if not self.batch.engine.feature_layers:

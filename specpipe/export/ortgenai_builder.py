@@ -45,14 +45,17 @@ BUILDER_MODULE = "onnxruntime_genai.models.builder"
 
 def run_model_builder(checkpoint_dir: Path, out_dir: Path, precision: Precision, cache_dir: Path, *,
                       extra_options: Optional[dict[str, str]] = None, feature_layers: Optional[Sequence[int]] = None,
-                      timeout_s: float = 1800) -> Path:
+                      logits_index: bool = True, timeout_s: float = 1800) -> Path:
     """Build `checkpoint_dir` into `out_dir` (model.onnx, model.onnx.data, genai_config.json, tokenizer files)
     for the CPU execution provider at `precision`. Raises ExportError in one line on any failure.
 
     `feature_layers` (layer-output ids, export/features.py; None: off) adds the output `aux_hidden_states`
     [batch, new tokens, hidden * len(feature_layers)]: the residual stream after each of those layers, for an
-    EAGLE-3 head. The builder's own option does it (it numbers layers by the one they enter)."""
+    EAGLE-3 head. The builder's own option does it (it numbers layers by the one they enter).
+    `logits_index`: the graph also takes the positions whose logits a call computes (export/logit_positions.py);
+    False leaves the builder's graph as onnxruntime-genai's runtime expects it (the peer benchmark's)."""
     from specpipe.export.features import builder_layers
+    from specpipe.export.logit_positions import add_logits_index
 
     checkpoint_dir, out_dir, cache_dir = Path(checkpoint_dir), Path(out_dir), Path(cache_dir)
     if feature_layers:
@@ -72,6 +75,11 @@ def run_model_builder(checkpoint_dir: Path, out_dir: Path, precision: Precision,
                           f"{last_line(done.stderr or done.stdout)}")
     if not (out_dir / "genai_config.json").is_file() or not (out_dir / "model.onnx").is_file():
         raise ExportError(f"onnxruntime-genai's model builder wrote no model.onnx/genai_config.json into {out_dir}")
+    if logits_index:
+        try:
+            add_logits_index(out_dir / "model.onnx")
+        except ValueError as err:
+            raise ExportError(str(err)) from None
     return out_dir
 
 

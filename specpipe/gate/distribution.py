@@ -89,9 +89,9 @@ def plan_cases(subject: Subject, gate: GateConfig, budget: int | None = None) ->
     for context, temperature in cases(cfg):
         sampling = SamplingConfig(temperature=temperature, top_k=cfg.top_k, top_p=cfg.top_p)
         context_ids = subject.encode(context)
-        p_first = shape_probs(target.new_sequence().append(context_ids)[-1], sampling)[0]
+        p_first = shape_probs(target.new_sequence().append(context_ids, last=1)[-1], sampling)[0]
         x_star = _mode(p_first, eos)
-        p_second = shape_probs(target.new_sequence().append(context_ids + [x_star])[-1], sampling)[0]
+        p_second = shape_probs(target.new_sequence().append(context_ids + [x_star], last=1)[-1], sampling)[0]
         n = budget or plan_samples(p_first, p_second, float(p_first[x_star]), cfg)
         out.append(Case(context, temperature, sampling, p_first, x_star, p_second, n))
     return out

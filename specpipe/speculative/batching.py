@@ -367,7 +367,7 @@ class BatchScheduler:
             take = min(len(request.context) - start, budget)
             self._deliver()
             t0 = time.perf_counter()
-            logits = request.row.append(request.context[start : start + take])
+            logits = request.row.append(request.context[start : start + take], last=1)
             self._traced("prefill-chunk", 1, take, t0)
             budget -= take
             request.features_from = start

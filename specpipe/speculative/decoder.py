@@ -49,8 +49,8 @@ class SpeculativeDecoder:
             # 2. Verify: one target call on [last context token, x_1..x_k] gives p for K+1 positions (the first
             #    call also runs the prompt before them).
             request.features_from = len(request.row)
-            computed = request.row.append(request.context[len(request.row) :] + proposal.tokens)
-            target_logits = computed[-(len(proposal.tokens) + 1) :]
+            target_logits = request.row.append(request.context[len(request.row) :] + proposal.tokens,
+                                               last=len(proposal.tokens) + 1)
             t2 = time.perf_counter()
 
             # 3. Accept each x_i with min(1, p/q); resample the first rejection from norm(max(0, p - q));

@@ -133,7 +133,7 @@ class ModelDrafter(Drafter):
             logits[i] = step[row]
         for i, tail in enumerate(tails):
             if len(tail) > 1:
-                logits[i] = sessions[i].seq.append(tail)[-1]
+                logits[i] = sessions[i].seq.append(tail, last=1)[-1]
         return logits
 
 
@@ -165,7 +165,7 @@ class ModelDraftSession(DraftSession):
         self.closed = False
 
     def propose(self, context, k, sampling, rng) -> Proposal:
-        logits = self.seq.sync(context)[-1]
+        logits = self.seq.sync(context, last=1)[-1]
         draft = _Drafted()
         for _ in range(k):
             draft.add(*self.pick(logits, sampling, rng))

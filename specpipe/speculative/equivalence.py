@@ -73,7 +73,7 @@ def target_only_logits(target: Engine, prompt_ids: Sequence[int], target_only: S
     """[V] the logits the target-only run used to choose token `position`, recomputed the way it ran:
     the prompt in one call, then one generated token per call (SpeculativeDecoder with nothing drafted)."""
     sequence = target.new_sequence()
-    logits = sequence.append(list(prompt_ids))[-1]
+    logits = sequence.append(list(prompt_ids), last=1)[-1]
     for token in target_only[:position]:
         logits = sequence.append([token])[-1]
     return logits

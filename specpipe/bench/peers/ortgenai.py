@@ -29,7 +29,7 @@ def build(checkpoint_dir: Path, precision: str) -> Path:
     tool = f"onnxruntime-genai {package_version('onnxruntime-genai')} transformers {package_version('transformers')}"
     scratch = cache_dir() / "peers" / "ortgenai-scratch"
     return cached_conversion("ortgenai", checkpoint_dir, precision, tool,
-                             lambda out: run_model_builder(checkpoint_dir, out, precision, scratch))
+                             lambda out: run_model_builder(checkpoint_dir, out, precision, scratch, logits_index=False))
 
 
 def _session_options(threads: int) -> dict:
