@@ -52,7 +52,9 @@ def _feed(session, ids, lengths, head_dim):
 
 def test_the_graph_computes_logits_only_at_the_positions_asked_for(engines, tiny_target):
     """Each row's picked positions (its own last under right padding, several, repeated, out of order) equal the
-    full graph's logits there, exactly: the same LM head on the same hidden states."""
+    full graph's logits there: the same LM head on the same hidden states. Bit-identical on the Zen 4 machine it was
+    written on, but ONNX Runtime does not promise one MatMul kernel for every row count, so the check allows float
+    rounding; a wrong position or row is orders of magnitude further off."""
     from specpipe.checkpoint import inspect_checkpoint
 
     plain, picking = _sessions(engines)
@@ -64,7 +66,7 @@ def test_the_graph_computes_logits_only_at_the_positions_asked_for(engines, tiny
     for index in (lengths[:, None] - 1, np.array([[0, 6], [3, 1], [1, 1]]), np.tile(np.arange(7), (3, 1))):
         picked = picking.run(["logits"], {**feed, LOGITS_INDEX: index.astype(np.int64)})[0]
         assert picked.shape == (3, index.shape[1], full.shape[2])  # the head ran on m positions, not 7
-        np.testing.assert_array_equal(picked, full[np.arange(3)[:, None], index])
+        np.testing.assert_allclose(picked, full[np.arange(3)[:, None], index], rtol=0, atol=1e-5)
 
 
 def test_adding_the_input_twice_changes_nothing_and_a_graph_without_a_head_is_refused(engines, tmp_path):
@@ -98,8 +100,8 @@ def test_engine_calls_asking_for_the_last_logits_match_full_calls(engines, which
         full.append(row.append(prompt + [21, 22, 23]))
     for prompt, want in zip(prompts, full):
         row = engine.new_sequence()
-        np.testing.assert_allclose(row.append(prompt, last=1), want[len(prompt) - 1 : len(prompt)], rtol=0, atol=1e-5)
-        np.testing.assert_allclose(row.append([21, 22, 23], last=3), want[-3:], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(row.append(prompt, last=1), want[len(prompt) - 1 : len(prompt)], rtol=0, atol=1e-4)
+        np.testing.assert_allclose(row.append([21, 22, 23], last=3), want[-3:], rtol=0, atol=1e-4)
         assert row.tokens == prompt + [21, 22, 23]
     batch = engine.new_batch(3)
     rows = [batch.new_sequence() for _ in prompts]
