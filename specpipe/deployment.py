@@ -14,7 +14,7 @@ from specpipe.contract.manifest import Manifest
 from specpipe.drafts import make_drafter, read_manifest
 from specpipe.drafts.eagle3 import head_drafter
 from specpipe.engines import Engine, load_engine
-from specpipe.engines.timing import head_step_ms, step_ms
+from specpipe.engines.timing import head_step_ms, step_ms, target_step
 from specpipe.errors import EngineError
 from specpipe.speculative.batching import BatchScheduler
 from specpipe.speculative.drafters import Drafter
@@ -97,7 +97,8 @@ def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: boo
     if head is not None:
         drafter = head_drafter(Path(head), target, folder / manifest.target.engine.path, dtype="measure")
         # no build timed this head against this target: its step cost is timed here, as the build would
-        step_costs = (StepCosts(head_step_ms(drafter.head) / step_ms(target, 1), step_costs.verify_per_token)
+        step_costs = (StepCosts(head_step_ms(drafter.head, between=target_step(target)) / step_ms(target, 1),
+                                 step_costs.verify_per_token)
                       if step_costs else None)
     else:
         drafter = make_drafter(folder, manifest.draft, target, threads)

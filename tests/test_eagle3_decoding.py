@@ -133,9 +133,9 @@ def target(markov):
 
 
 def drafter_for(markov, target, head_folder: Path, session_class=Eagle3DraftSession, dtype="float32") -> Eagle3Drafter:
-    from specpipe.engines.eagle3_head import Eagle3HeadEngine, check_pairing, target_embedding
+    from specpipe.engines.eagle3_head import check_pairing, open_head, target_embedding
 
-    head = Eagle3HeadEngine(head_folder, target_embedding(markov.engine), dtype=dtype)
+    head = open_head(head_folder, target_embedding(markov.engine), dtype=dtype)
     check_pairing(head, target.feature_layers, target.vocab_size)
     drafter = Eagle3Drafter(head, target.vocab_size)
     if session_class is not Eagle3DraftSession:
@@ -163,7 +163,7 @@ def acceptance(target, drafter, k=1) -> float:
 def test_head_engine_reads_the_target_embedding_and_layers(markov, target, good):
     head = good.head
     assert head.feature_layers == LAYERS == target.feature_layers
-    assert np.array_equal(head.embedding.numpy(), markov.model.get_input_embeddings().weight.detach().numpy())
+    assert np.array_equal(head.embedding_array, markov.model.get_input_embeddings().weight.detach().numpy())
     assert np.all(np.diff(head.token_ids) > 0)  # d2t's offset form gives sorted target ids
 
 
@@ -180,10 +180,11 @@ def test_greedy_output_is_the_target_alone(target, good, k):
         assert base_stats.drafted == 0
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "ort-float32", "ort-int8"])
 def test_a_bf16_or_int8_head_computes_nearly_the_same_and_stays_lossless(markov, target, good, dtype):
-    """dtype bfloat16 (matrices in bf16) or int8 (torch's dynamically quantized Linear: int8 weights per channel,
-    activations per tensor): logits within a few percent of fp32's; decoding is exact either way."""
+    """dtype bfloat16 (matrices in bf16), int8 (torch's dynamically quantized Linear: int8 weights per channel,
+    activations per tensor), or the same head in ONNX Runtime (fp32; int8 as MatMulNBits): logits within a few
+    percent of torch fp32's; decoding is exact either way."""
     other = drafter_for(markov, target, good.head.folder, dtype=dtype)
     assert other.head.dtype == dtype
     rows = np.random.default_rng(0).standard_normal((5, good.head.feature_width)).astype(np.float32)
@@ -204,7 +205,7 @@ def test_the_head_dtype_is_the_fastest_timed(markov, good, monkeypatch):
     from specpipe.engines import eagle3_head
     from specpipe.engines.eagle3_head import HEAD_DTYPES, fastest_head_dtype, target_embedding
 
-    table = {"float32": 3.0, "bfloat16": 1.0, "int8": 2.0}
+    table = {"float32": 3.0, "bfloat16": 1.0, "int8": 2.0, "ort-float32": 1.5, "ort-int8": 1.2}
     monkeypatch.setattr("specpipe.engines.timing.head_step_ms", lambda head, **_: table[head.dtype])
     dtype, ms = fastest_head_dtype(good.head.folder, target_embedding(markov.engine), rounds=2)
     assert set(ms) == set(HEAD_DTYPES) and dtype == "bfloat16" and ms == table

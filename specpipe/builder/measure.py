@@ -33,18 +33,19 @@ from specpipe.drafts import kind_named, make_drafter
 from specpipe.engines import load_engine
 from specpipe.engines.base import Engine
 from specpipe.engines.onnxruntime import TARGET_MIN_ROWS
-from specpipe.engines.timing import batch_step_ms, batch_steps_ms, head_step_ms, step_ms
+from specpipe.engines.timing import batch_step_ms, batch_steps_ms, head_step_ms, step_ms, target_step
 from specpipe.speculative.adaptive import predicted_speedup
 from specpipe.speculative.drafters import Drafter
 from specpipe.speculative.generator import SpecGenerator
 
 def measure_step_costs(target, draft=None, *, head=None, verify_tokens: int = 8) -> StepCosts:
     """Time the engines alone on a 64-token cache (medians): a target call on 1 and on 1 + verify_tokens
-    tokens, and a draft step of the draft engine or of an EAGLE-3 `head` (engines/eagle3_head.py). Prompt
-    lookup (no draft engine) costs nothing."""
+    tokens, and a draft step of the draft engine or of an EAGLE-3 `head` (engines/eagle3_head.py; each after a
+    target step, as in decoding). Prompt lookup (no draft engine) costs nothing."""
     one = step_ms(target, 1)
     many = step_ms(target, 1 + verify_tokens)
-    draft_ms = step_ms(draft, 1) if draft is not None else head_step_ms(head) if head is not None else 0.0
+    draft_ms = (step_ms(draft, 1) if draft is not None
+                else head_step_ms(head, between=target_step(target)) if head is not None else 0.0)
     return StepCosts(
         draft=draft_ms / one,
         verify_per_token=max(many - one, 0.0) / verify_tokens / one,

@@ -115,7 +115,8 @@ def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, he
             from specpipe.engines.eagle3_head import fastest_head_dtype, target_embedding
 
             # the head in the dtype build will run it in: the fastest timed here (drafts/eagle3.py)
-            head_dtype, head_ms = fastest_head_dtype(head, target_embedding(target_dir), feature_layers=feature_layers)
+            head_dtype, head_ms = fastest_head_dtype(head, target_embedding(target_dir), feature_layers=feature_layers,
+                                                    target=engine)
             draft_ms = head_ms[head_dtype]
         else:
             draft_ms = step_ms(load_engine(export_engine(draft, Path(tmp) / "draft"), threads=threads), 1,
@@ -129,7 +130,7 @@ def verdict(agreement: float, costs: StepCosts, *, kind: str = "model", timings:
             quant: str = "none") -> dict:
     """agreement: the draft's greedy agreement with the target, standing in for the acceptance rate."""
     k = best_draft_length(agreement, costs, MAX_DRAFT_LEN)
-    draft = (f", the EAGLE-3 head as its torch CPU engine in {(timings or {}).get('head_dtype', 'its fastest dtype')}"
+    draft = (f", the EAGLE-3 head as its CPU engine in {(timings or {}).get('head_dtype', 'its fastest dtype')}"
              if kind == "eagle3" else ", fp32 draft")
     return {"agreement": round(agreement, 4), "target_quant": quant,
             "step_costs": {k_: round(v, 4) for k_, v in costs.as_dict().items()},

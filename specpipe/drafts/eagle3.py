@@ -36,9 +36,10 @@ class Eagle3Draft(DraftEntry):
     path: str = "draft"  # the head's folder (config.json, model.safetensors), relative to the build folder
     feature_layers: list[int]  # layer-output ids (export/features.py) the head reads
     draft_vocab_size: int  # the target tokens the head scores (its lm_head rows)
-    # the dtype its matrices run in, the fastest timed on the build machine (engines/eagle3_head.py
-    # fastest_head_dtype), with each candidate's ms per draft step; None (older builds): chosen by the CPU's flags
-    head_dtype: Optional[Literal["float32", "bfloat16", "int8"]] = None
+    # the runtime and dtype its matrices run in (engines/eagle3_head.py HEAD_DTYPES: torch, or "ort-" ONNX Runtime),
+    # the fastest timed on the build machine (fastest_head_dtype), with each candidate's ms per draft step; None
+    # (older builds): chosen by the CPU's flags
+    head_dtype: Optional[Literal["float32", "bfloat16", "int8", "ort-float32", "ort-int8"]] = None
     head_step_ms: dict[str, float] = Field(default_factory=dict)
     files: dict[str, str] = Field(default_factory=dict, description="file name -> sha256")
     prediction: Optional[Prediction] = None
@@ -87,11 +88,14 @@ class Eagle3Kind(DraftKind):
 
 def _time_head(folder: Path, ctx) -> tuple[str, dict[str, float]]:
     """The head's dtype by measurement on this machine (engines/eagle3_head.py fastest_head_dtype)."""
+    from specpipe.engines import load_engine
     from specpipe.engines.eagle3_head import fastest_head_dtype, target_embedding
 
     t0 = time.perf_counter()
-    ctx.say("timing the head's draft step in each dtype")
-    choice = fastest_head_dtype(folder, target_embedding(ctx.stage / "target"), feature_layers=ctx.feature_layers)
+    ctx.say("timing the head's draft step in each dtype, each after a target step as in decoding")
+    target = load_engine(ctx.stage / "target", threads=ctx.cfg.backend.threads)
+    choice = fastest_head_dtype(folder, target_embedding(ctx.stage / "target"), feature_layers=ctx.feature_layers,
+                                target=target)
     ctx.timings["head_dtype_s"] = time.perf_counter() - t0
     return choice
 
@@ -100,7 +104,7 @@ def head_drafter(head_folder: Path, target: Engine, target_folder: Path, *, dtyp
     """An EAGLE-3 head (upstream's format) drafting for `target`, whose engine must output the head's feature
     layers (export/features.py). The head reads the target's input embedding from the target's graph. `dtype`:
     what its matrices run in (a build records the fastest it timed; "auto" without one; "measure": time them now)."""
-    from specpipe.engines.eagle3_head import Eagle3HeadEngine, check_pairing, fastest_head_dtype, target_embedding
+    from specpipe.engines.eagle3_head import check_pairing, fastest_head_dtype, open_head, target_embedding
 
     info = read_eagle3_head(str(head_folder))
     if info is None:
@@ -109,8 +113,8 @@ def head_drafter(head_folder: Path, target: Engine, target_folder: Path, *, dtyp
     layers = info.layers_to_capture or _default_feature_layers(target_folder)
     embedding = target_embedding(target_folder)
     if dtype == "measure":  # a head no build timed (generate/bench --draft HEAD): the fastest here
-        dtype, _ = fastest_head_dtype(head_folder, embedding, feature_layers=layers)
-    head = Eagle3HeadEngine(head_folder, embedding, dtype=dtype, feature_layers=layers)
+        dtype, _ = fastest_head_dtype(head_folder, embedding, feature_layers=layers, target=target)
+    head = open_head(head_folder, embedding, dtype=dtype, feature_layers=layers)
     check_pairing(head, getattr(target, "feature_layers", ()), target.vocab_size, target_folder)
     return Eagle3Drafter(head, target.vocab_size)
 

@@ -29,12 +29,15 @@ import json
 import math
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
 from specpipe.checkpoint.eagle3 import EAGLE3_CONFIG_BLOCK, EAGLE3_LAYER_IDS_KEY, load_eagle3_tensors
 from specpipe.errors import EngineError
+
+if TYPE_CHECKING:
+    from specpipe.engines.eagle3_onnx import Eagle3OnnxHead
 
 _MIN_CAPACITY = 256  # positions; the cache doubles from here
 _MATRICES = ("fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
@@ -42,7 +45,10 @@ _MATRICES = ("fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_att
              "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "lm_head.weight")
 
 
-HEAD_DTYPES = ("float32", "bfloat16", "int8")  # what the head's matrices can run in; `fastest_head_dtype` times them
+# What the head can run in; `fastest_head_dtype` times them. The first three are torch (this module), the "ort-" ones
+# ONNX Runtime (engines/eagle3_onnx.py: one graph, so no eager dispatch per op).
+HEAD_DTYPES = ("float32", "bfloat16", "int8", "ort-float32", "ort-int8")
+_ORT_PREFIX = "ort-"
 
 
 def head_dtype(dtype: str) -> str:
@@ -59,51 +65,50 @@ def head_dtype(dtype: str) -> str:
 
 
 def fastest_head_dtype(folder: str | Path, target_embedding: np.ndarray, *, feature_layers: Optional[Sequence[int]] = None,
-                       rounds: int = 3) -> tuple[str, dict[str, float]]:
+                       rounds: int = 3, target=None) -> tuple[str, dict[str, float]]:
     """The dtype whose draft step is fastest on this machine, timed here (engines/timing.py `head_step_ms`, the
     candidates in turn, `rounds` times, median): bf16 is emulated ~30x slower on a CPU without AVX512-BF16, and int8
     runs on FBGEMM's / oneDNN's int8 kernels, whose speed depends on VNNI. Returns (dtype, {dtype: ms}); a dtype
     torch cannot run here is left out. Any dtype keeps decoding lossless (the q it drafts from is what it computes);
-    what it may change is acceptance (docs/eagle3.md: held-out agreement fp32 0.573, bf16 0.571, int8 0.569)."""
+    what it may change is acceptance (docs/eagle3.md: held-out agreement fp32 0.573, bf16 0.571, int8 0.569).
+    `target`: the target engine, whose decode step then runs before each timed head step, as in decoding
+    (engines/timing.py `head_step_ms`'s `between`): the head's weights come from memory, not a warm cache."""
     import statistics
 
-    from specpipe.engines.timing import head_step_ms
+    from specpipe.engines.timing import head_step_ms, target_step
 
     engines = {}
     for dtype in HEAD_DTYPES:
         try:
-            engines[dtype] = Eagle3HeadEngine(folder, target_embedding, dtype=dtype, feature_layers=feature_layers)
+            engines[dtype] = open_head(folder, target_embedding, dtype=dtype, feature_layers=feature_layers)
         except (RuntimeError, ImportError):  # no int8 kernels in this torch build: not a candidate here
             continue
+    between = target_step(target) if target is not None else None
     times: dict[str, list[float]] = {dtype: [] for dtype in engines}
     for _ in range(rounds):
         for dtype, engine in engines.items():
-            times[dtype].append(head_step_ms(engine))
+            times[dtype].append(head_step_ms(engine, between=between))
     ms = {dtype: round(statistics.median(values), 4) for dtype, values in times.items()}
     return min(ms, key=ms.get), ms
 
 
-class Eagle3HeadEngine:
-    """The head in `folder` (config.json + model.safetensors). `target_embedding` [vocab, H]: the target's input
-    embedding (heads carry none; `target_embedding` below reads it from the target's ONNX graph)."""
+class Eagle3Head:
+    """What every runtime of the head in `folder` (config.json + model.safetensors) shares: its config, tensors and
+    draft vocabulary. `target_embedding` [vocab, H]: the target's input embedding (heads carry none;
+    `target_embedding` below reads it from the target's ONNX graph)."""
 
-    def __init__(self, folder: str | Path, target_embedding: np.ndarray, *, dtype: str = "float32",
-                 feature_layers: Optional[Sequence[int]] = None):
+    def __init__(self, folder: str | Path, target_embedding: np.ndarray, *, feature_layers: Optional[Sequence[int]] = None):
         import torch
 
         self.folder = Path(folder)
         config = json.loads((self.folder / "config.json").read_text())
         tensors = load_eagle3_tensors(self.folder)
         self.w = {name: (t.float() if t.is_floating_point() else t) for name, t in tensors.items()}
-        self.dtype = head_dtype(dtype)
-        if self.dtype == "int8":
-            self.mat = {name: _int8_linear(self.w[name]) for name in _MATRICES}
-        else:
-            self.mat = {name: self.w[name].to(getattr(torch, self.dtype)) for name in _MATRICES}  # [out, in]
         self.hidden_size = int(config["hidden_size"])
         self.heads, self.kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
         self.head_dim = int(config.get("head_dim") or self.hidden_size // self.heads)
         self.eps = float(config["rms_norm_eps"])
+        self.rope_theta = float(config.get("rope_theta", 10000.0))
         self.max_seq_len = int(config.get("max_position_embeddings", 2048))
         # the layers its config names; `feature_layers` for a head that names none (EAGLE-3's defaults)
         named = (config.get(EAGLE3_CONFIG_BLOCK) or {}).get(EAGLE3_LAYER_IDS_KEY) or feature_layers or ()
@@ -112,15 +117,44 @@ class Eagle3HeadEngine:
         self.draft_vocab_size = self.w["lm_head.weight"].shape[0]
         if target_embedding.shape[1] != self.hidden_size:
             raise EngineError(f"{folder}: the target's embedding is {target_embedding.shape[1]} wide, the head {self.hidden_size}")
-        self.embedding = torch.from_numpy(np.ascontiguousarray(target_embedding, dtype=np.float32))
+        self.embedding_array = np.ascontiguousarray(target_embedding, dtype=np.float32)
         d2t = self.w["d2t"].long()
         # token_ids[d]: the target token draft column d scores (upstream's offset form: target = d + d2t[d]).
         self.token_ids = (torch.arange(len(d2t)) + d2t).numpy()
         self.target_vocab_size = int(config.get("vocab_size", target_embedding.shape[0]))
         if self.token_ids.min() < 0 or self.token_ids.max() >= self.target_vocab_size:
             raise EngineError(f"{folder}: d2t maps draft columns outside the target's {self.target_vocab_size} tokens")
-        theta = float(config.get("rope_theta", 10000.0))
-        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+
+
+def open_head(folder: str | Path, target_embedding: np.ndarray, *, dtype: str = "float32",
+              feature_layers: Optional[Sequence[int]] = None):
+    """The head in `folder` as the runtime `dtype` names (HEAD_DTYPES; "auto": `head_dtype`'s guess)."""
+    dtype = head_dtype(dtype)
+    if dtype.startswith(_ORT_PREFIX):
+        from specpipe.engines.eagle3_onnx import Eagle3OnnxHead
+
+        spec = Eagle3Head(folder, target_embedding, feature_layers=feature_layers)
+        return Eagle3OnnxHead(spec, quant=dtype[len(_ORT_PREFIX):])
+    return Eagle3HeadEngine(folder, target_embedding, dtype=dtype, feature_layers=feature_layers)
+
+
+class Eagle3HeadEngine(Eagle3Head):
+    """The head run by torch, its matrices in `dtype` (float32, bfloat16 or int8)."""
+
+    def __init__(self, folder: str | Path, target_embedding: np.ndarray, *, dtype: str = "float32",
+                 feature_layers: Optional[Sequence[int]] = None):
+        import torch
+
+        super().__init__(folder, target_embedding, feature_layers=feature_layers)
+        self.dtype = head_dtype(dtype)
+        if self.dtype.startswith(_ORT_PREFIX):
+            raise EngineError(f"{dtype} runs in ONNX Runtime: open it with open_head")
+        if self.dtype == "int8":
+            self.mat = {name: _int8_linear(self.w[name]) for name in _MATRICES}
+        else:
+            self.mat = {name: self.w[name].to(getattr(torch, self.dtype)) for name in _MATRICES}  # [out, in]
+        self.embedding = torch.from_numpy(self.embedding_array)
+        self.inv_freq = 1.0 / self.rope_theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
 
     def new_cache(self) -> "HeadCache":
         return HeadCache(self)
@@ -302,7 +336,7 @@ def target_embedding(engine_folder: str | Path) -> np.ndarray:
                       "the head needs the target's fp32 input embedding")
 
 
-def check_pairing(head: Eagle3HeadEngine, target_feature_layers: Sequence[int], target_vocab_size: int,
+def check_pairing(head: "Eagle3Head | Eagle3OnnxHead", target_feature_layers: Sequence[int], target_vocab_size: int,
                   target_folder: Optional[Path] = None) -> None:
     """The head reads exactly the layers the target engine outputs, over the target's vocabulary."""
     where = f" ({target_folder})" if target_folder else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable, Optional
 
 
 def step_ms(engine, new_tokens: int, *, context_len: int = 64, repeats: int = 20) -> float:
@@ -24,9 +25,13 @@ def step_ms(engine, new_tokens: int, *, context_len: int = 64, repeats: int = 20
     return statistics.median(seconds) * 1e3
 
 
-def head_step_ms(head, *, context_len: int = 64, repeats: int = 20) -> float:
+def head_step_ms(head, *, context_len: int = 64, repeats: int = 20, between: Optional[Callable[[], None]] = None) -> float:
     """Median ms of one EAGLE-3 draft step (engines/eagle3_head.py) on a `context_len`-row cache: what the head
-    costs per drafted token. The features are made up: the time does not depend on their values."""
+    costs per drafted token. The features are made up: the time does not depend on their values. `between`, when
+    given, runs untimed before each step: in decoding a target call runs between two head calls and streams the
+    target's weights through the caches, so the head reads its own from memory again (`target_step` below). On
+    the Zen 4 CPU here that doubled or tripled a step: SmolLM2-135M's head in int8, 0.26 ms hot, 0.97 ms after an
+    int8-wo target call (docs/eagle3-decoding.md)."""
     import numpy as np
 
     cache = head.new_cache()
@@ -35,11 +40,26 @@ def head_step_ms(head, *, context_len: int = 64, repeats: int = 20) -> float:
     _, state = head.context_rows(cache, tokens, features)
     seconds = []
     for _ in range(repeats + 1):  # the first is a warm-up
+        if between is not None:
+            between()
         t0 = time.perf_counter()
         head.draft_step(cache, tokens[0], state)
         seconds.append(time.perf_counter() - t0)
         cache.truncate(context_len)
     return statistics.median(seconds[1:]) * 1e3
+
+
+def target_step(engine, *, context_len: int = 64) -> Callable[[], None]:
+    """One decode step of `engine` on a `context_len`-token cache, as a callable (`head_step_ms`'s `between`)."""
+    seq = engine.new_sequence()
+    vocab = getattr(engine, "vocab_size", 1000)
+    seq.append([(7 * i + 3) % vocab for i in range(context_len)])
+
+    def step() -> None:
+        seq.append([11 % vocab])
+        seq.truncate(context_len)
+
+    return step
 
 
 def batch_step_ms(engine, rows: int, *, context_len: int = 64, repeats: int = 5) -> float:

@@ -36,7 +36,8 @@ DEFAULT_HEAD_DRAFT_COST = 0.05
 
 
 class Eagle3Drafter(Drafter):
-    """`head`: an engines/eagle3_head.Eagle3HeadEngine whose feature layers the target engine outputs."""
+    """`head`: an EAGLE-3 head engine (engines/eagle3_head.py `open_head`: torch or ONNX Runtime) whose feature
+    layers the target engine outputs."""
 
     name = "eagle3"
     reads_features = True
