@@ -123,6 +123,20 @@ class TeacherCache:
         (self.folder / META).write_text(json.dumps(self.meta, indent=1))
 
 
+def sample_rows(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token per row drawn from softmax(logits / temperature): logits [rows, V] -> token ids [rows].
+
+    Inverse CDF: a uniform draw per row, scaled to the row's total, searched in its cumulative probabilities (the
+    first token whose cumulative sum exceeds it, so a token of probability 0 is never drawn). The same distribution
+    as torch.multinomial, which on a [48, 49152] batch took 51 ms a step against 2.7 ms for this (Zen 4, 2 threads,
+    2026-11-25): the teacher pass draws a batch every step, and multinomial took about as long as the target's own
+    48-row step."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    cumulative = probs.cumsum(dim=-1)
+    draws = torch.rand(len(probs), 1, generator=generator) * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, draws, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
 def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V] -> (ids int32 [..., k], log-probs float16 [..., k]), on the CPU (where the cache lives)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -190,8 +204,7 @@ def answer_prompts(
             break
         ids, logprobs = _top_k(logits, top_k)
         if temperature > 0:  # sampled on the CPU: the same generator gives the same answers on any device
-            probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1).to(device)
+            tokens = sample_rows(logits.cpu(), temperature, generator).to(device)
         else:
             tokens = logits.argmax(-1)
         for row in range(batch):
@@ -286,7 +299,7 @@ def _answer_rows(batch, rows, prompt_ids, *, kinds, max_new_tokens, eos_token_id
     running = list(range(len(rows)))  # indices into rows, in the order of `logits`
     while running:
         if temperature > 0:
-            tokens = torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1, generator=generator)[:, 0]
+            tokens = sample_rows(logits, temperature, generator)
         else:
             tokens = logits.argmax(-1)
         for i, token in zip(running, tokens.tolist()):
