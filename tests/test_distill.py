@@ -386,3 +386,15 @@ def test_verdict_says_when_it_cannot_predict(tmp_path):
     assert v["predicted_speedup"] is None and v["cannot_predict"]
     line = verdict_line(v)
     assert line.startswith("verdict: agreement 0.40") and "cannot predict" in line and "build measures it" in line
+
+
+def test_a_work_budget_lets_training_use_the_time_the_answers_left():
+    """--minutes is a cap with --train-tokens: training may run to the end of it (the answers took less than their
+    share); with a time budget training keeps its share whatever the answers took."""
+    from specpipe.distill.config import DistillConfig
+
+    work = DistillConfig(target="t", out="o", kind="eagle3", minutes=18, answer_tokens=80_000, train_tokens=900_000)
+    assert work.train_budget_s(240.0) == pytest.approx(18 * 60 - 240)  # answers took 4 of their 10.8 minutes
+    assert work.train_budget_s(900.0) == pytest.approx(18 * 60 * 0.4)  # they overran: training keeps its share
+    timed = DistillConfig(target="t", out="o", kind="eagle3", minutes=18)
+    assert timed.train_budget_s(240.0) == pytest.approx(18 * 60 * 0.4)

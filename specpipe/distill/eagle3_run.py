@@ -79,7 +79,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     state_path = out / STATE_DIR / "state.pt"
     if cfg.force and out.is_dir() and not cfg.resume:
         shutil.rmtree(out)
-    train_budget_s = cfg.minutes * 60 * (1 - cfg.data_fraction)
+    train_budget_s = cfg.train_budget_s(time.perf_counter() - started)
     trainer = HeadTrainer(head, train_set, steps=cfg.ttt_steps, decay=cfg.ttt_decay, budget_s=train_budget_s, lr=cfg.lr,
                           batch_tokens=cfg.batch_tokens, negatives=cfg.negatives, seed=cfg.seed, state_path=state_path,
                           checkpoint_every=cfg.checkpoint_every, budget_tokens=cfg.train_tokens, held_out=held_out)

@@ -25,8 +25,7 @@ Rows are [fc(features); state]: a call is either context rows or one draft step,
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
