@@ -264,13 +264,10 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
-class HeadCache:
-    """The head's keys and values, one entry per position: [kv_heads, capacity, head_dim], `length` used."""
+class PositionCache:
+    """What every head runtime's cache shares: `length` positions in use; truncating is a length change."""
 
-    def __init__(self, engine: Eagle3HeadEngine):
-        self.engine, self.length, self.capacity = engine, 0, 0
-        self.keys = self.values = None
-        self._grow(_MIN_CAPACITY)
+    length: int = 0
 
     def __len__(self) -> int:
         return self.length
@@ -279,6 +276,15 @@ class HeadCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a {self.length}-position head cache to {length}")
         self.length = length  # entries past it are overwritten by the next append
+
+
+class HeadCache(PositionCache):
+    """The head's keys and values, one entry per position: [kv_heads, capacity, head_dim], `length` used."""
+
+    def __init__(self, engine: Eagle3HeadEngine):
+        self.engine, self.length, self.capacity = engine, 0, 0
+        self.keys = self.values = None
+        self._grow(_MIN_CAPACITY)
 
     def append(self, k, v):
         """k, v [n, kv_heads, d] -> every cached key and value [kv_heads, length, d] (views, no copy)."""

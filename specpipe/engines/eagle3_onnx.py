@@ -29,6 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
+from specpipe.engines.eagle3_head import PositionCache
 from specpipe.errors import EngineError
 
 _MIN_CAPACITY = 256  # positions; the cache doubles from here
@@ -206,7 +207,7 @@ class Eagle3OnnxHead:
         return logits[0], next_state
 
 
-class OnnxHeadCache:
+class OnnxHeadCache(PositionCache):
     """The head's keys and values, position-major: [capacity, kv_heads, head_dim], `length` used, so the cached
     rows are one contiguous slice the session reads in place."""
 
@@ -214,14 +215,6 @@ class OnnxHeadCache:
         self.length = 0
         self.keys = np.zeros((_MIN_CAPACITY, head.kv_heads, head.head_dim), np.float32)
         self.values = np.zeros_like(self.keys)
-
-    def __len__(self) -> int:
-        return self.length
-
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a {self.length}-position head cache to {length}")
-        self.length = length  # entries past it are overwritten by the next append
 
     def cached(self) -> tuple[np.ndarray, np.ndarray]:
         return self.keys[: self.length], self.values[: self.length]
