@@ -133,7 +133,8 @@ def target(markov):
 
 
 def drafter_for(markov, target, head_folder: Path, session_class=Eagle3DraftSession, dtype="float32") -> Eagle3Drafter:
-    from specpipe.engines.eagle3_head import check_pairing, open_head, target_embedding
+    from specpipe.drafts.eagle3 import open_head
+    from specpipe.engines.eagle3_head import check_pairing, target_embedding
 
     head = open_head(head_folder, target_embedding(markov.engine), dtype=dtype)
     check_pairing(head, target.feature_layers, target.vocab_size)
@@ -203,7 +204,8 @@ def test_the_head_dtype_is_the_fastest_timed(markov, good, monkeypatch):
     """fastest_head_dtype times every dtype torch runs here and keeps the least median (timings replaced by a
     fixed table: which dtype is fastest is the machine's business, the choice rule is ours)."""
     from specpipe.engines import eagle3_head
-    from specpipe.engines.eagle3_head import HEAD_DTYPES, fastest_head_dtype, target_embedding
+    from specpipe.drafts.eagle3 import fastest_head_dtype
+    from specpipe.engines.eagle3_head import HEAD_DTYPES, target_embedding
 
     table = {"float32": 3.0, "bfloat16": 1.0, "int8": 2.0, "ort-float32": 1.5, "ort-int8": 1.2}
     monkeypatch.setattr("specpipe.engines.timing.head_step_ms", lambda head, **_: table[head.dtype])

@@ -15,7 +15,7 @@ import torch
 
 from specpipe.checkpoint.eagle3 import head_config, write_eagle3_head
 from specpipe.engines import eagle3_onnx
-from specpipe.engines.eagle3_head import Eagle3Head, open_head
+from specpipe.drafts.eagle3 import open_head
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 96, 300, 120
 
@@ -115,16 +115,16 @@ def test_int8_matrices_stay_close(head_folder, embedding):
 
 def test_a_wrong_rotary_base_fails_the_comparison(head_folder, embedding, monkeypatch):
     """The comparison sees positions: a graph with another RoPE base differs from the torch head."""
-    original = eagle3_onnx.head_graph
-    monkeypatch.setattr(eagle3_onnx, "head_graph", lambda tensors, **kw: original(tensors, **{**kw, "rope_theta": 500.0}))
+    original = eagle3_onnx.build_graph
+    monkeypatch.setattr(eagle3_onnx, "build_graph", lambda tensors, **kw: original(tensors, **{**kw, "rope_theta": 500.0}))
     reference, planted = open_head(head_folder, embedding, dtype="float32"), open_head(head_folder, embedding, dtype="ort-float32")
     with pytest.raises(AssertionError):
         assert_close(drive(reference), drive(planted), 1e-4)
 
 
-def test_only_float32_or_int8(head_folder, embedding):
-    with pytest.raises(eagle3_onnx.EngineError, match="float32 or int8"):
-        eagle3_onnx.Eagle3OnnxHead(Eagle3Head(head_folder, embedding), quant="int4")
+def test_an_unknown_runtime_is_refused(head_folder, embedding):
+    with pytest.raises(eagle3_onnx.EngineError, match="ort-float32, ort-int8, not ort-int4"):
+        open_head(head_folder, embedding, dtype="ort-int4")
 
 
 def test_the_manifest_takes_every_head_runtime():

@@ -112,7 +112,8 @@ def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, he
         one = step_ms(engine, 1, context_len=CONTEXT_TOKENS, repeats=REPEATS)
         many = step_ms(engine, 1 + VERIFY_TOKENS, context_len=CONTEXT_TOKENS, repeats=REPEATS)
         if head is not None:
-            from specpipe.engines.eagle3_head import fastest_head_dtype, target_embedding
+            from specpipe.drafts.eagle3 import fastest_head_dtype
+            from specpipe.engines.eagle3_head import target_embedding
 
             # the head in the dtype build will run it in: the fastest timed here (drafts/eagle3.py)
             head_dtype, head_ms = fastest_head_dtype(head, target_embedding(target_dir), feature_layers=feature_layers,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal, Optional, Sequence
 
 from pydantic import Field
 
@@ -16,7 +16,7 @@ from specpipe.contract.drafts import DISTILL_RECORD
 from specpipe.contract.manifest import DraftEntry, Prediction, file_hashes
 from specpipe.drafts.base import DraftKind
 from specpipe.engines import Engine
-from specpipe.errors import UsageError
+from specpipe.errors import EngineError, UsageError
 from specpipe.speculative.eagle3 import Eagle3Drafter
 
 
@@ -87,9 +87,9 @@ class Eagle3Kind(DraftKind):
 
 
 def _time_head(folder: Path, ctx) -> tuple[str, dict[str, float]]:
-    """The head's dtype by measurement on this machine (engines/eagle3_head.py fastest_head_dtype)."""
+    """The head's dtype by measurement on this machine (`fastest_head_dtype`)."""
     from specpipe.engines import load_engine
-    from specpipe.engines.eagle3_head import fastest_head_dtype, target_embedding
+    from specpipe.engines.eagle3_head import target_embedding
 
     t0 = time.perf_counter()
     ctx.say("timing the head's draft step in each dtype, each after a target step as in decoding")
@@ -100,11 +100,67 @@ def _time_head(folder: Path, ctx) -> tuple[str, dict[str, float]]:
     return choice
 
 
+# int8 heads as the target's int8-wo: MatMulNBits, symmetric, blocks of 64 along the input (SmolLM2's head: 576, 1536
+# and 1728 all divide). int4 (the body at 4 bits, the head at 8) was timed too: 0.77-0.80 ms against int8's 0.85-0.93 a
+# step after a target call on the Zen 4 here, too little to risk acceptance for.
+HEAD_INT8_BLOCK = 64
+
+
+def open_head(folder: str | Path, target_embedding, *, dtype: str = "float32",
+              feature_layers: Optional[Sequence[int]] = None):
+    """The head in `folder` as the runtime `dtype` names (engines/eagle3_head.py HEAD_DTYPES; "auto": `head_dtype`'s
+    guess): torch (engines/eagle3_head.py), or ONNX Runtime (engines/eagle3_onnx.py) over the head's graph, its
+    matrices quantized here for "ort-int8"."""
+    from specpipe.engines.eagle3_head import ORT_PREFIX, Eagle3Head, Eagle3HeadEngine, head_dtype
+
+    dtype = head_dtype(dtype)
+    if not dtype.startswith(ORT_PREFIX):
+        return Eagle3HeadEngine(folder, target_embedding, dtype=dtype, feature_layers=feature_layers)
+    from specpipe.engines.eagle3_onnx import Eagle3OnnxHead, head_graph
+
+    spec = Eagle3Head(folder, target_embedding, feature_layers=feature_layers)
+    model = head_graph(spec)
+    if dtype == ORT_PREFIX + "int8":
+        from specpipe.quantize.weight_only import quantize_weight_only
+
+        model = quantize_weight_only(model, mode="int8-wo", group_size=HEAD_INT8_BLOCK)
+    return Eagle3OnnxHead(spec, model, dtype=dtype)
+
+
+def fastest_head_dtype(folder: str | Path, target_embedding, *, feature_layers: Optional[Sequence[int]] = None,
+                       rounds: int = 3, target=None) -> tuple[str, dict[str, float]]:
+    """The dtype whose draft step is fastest on this machine, timed here (engines/timing.py `head_step_ms`, the
+    candidates in turn, `rounds` times, median): bf16 is emulated ~30x slower on a CPU without AVX512-BF16, and int8
+    runs on FBGEMM's / oneDNN's int8 kernels, whose speed depends on VNNI. Returns (dtype, {dtype: ms}); a dtype
+    torch cannot run here is left out. Any dtype keeps decoding lossless (the q it drafts from is what it computes);
+    what it may change is acceptance (docs/eagle3.md: held-out agreement fp32 0.573, bf16 0.571, int8 0.569).
+    `target`: the target engine, whose decode step then runs before each timed head step, as in decoding
+    (engines/timing.py `head_step_ms`'s `between`): the head's weights come from memory, not a warm cache."""
+    import statistics
+
+    from specpipe.engines.eagle3_head import HEAD_DTYPES
+    from specpipe.engines.timing import head_step_ms, target_step
+
+    engines = {}
+    for dtype in HEAD_DTYPES:
+        try:
+            engines[dtype] = open_head(folder, target_embedding, dtype=dtype, feature_layers=feature_layers)
+        except (RuntimeError, ImportError, EngineError):  # cannot run here (no int8 kernels in this torch build,
+            continue  # a graph ONNX Runtime refuses): not a candidate
+    between = target_step(target) if target is not None else None
+    times: dict[str, list[float]] = {dtype: [] for dtype in engines}
+    for _ in range(rounds):
+        for dtype, engine in engines.items():
+            times[dtype].append(head_step_ms(engine, between=between))
+    ms = {dtype: round(statistics.median(values), 4) for dtype, values in times.items()}
+    return min(ms, key=ms.get), ms
+
+
 def head_drafter(head_folder: Path, target: Engine, target_folder: Path, *, dtype: str = "auto") -> Eagle3Drafter:
     """An EAGLE-3 head (upstream's format) drafting for `target`, whose engine must output the head's feature
     layers (export/features.py). The head reads the target's input embedding from the target's graph. `dtype`:
     what its matrices run in (a build records the fastest it timed; "auto" without one; "measure": time them now)."""
-    from specpipe.engines.eagle3_head import check_pairing, fastest_head_dtype, open_head, target_embedding
+    from specpipe.engines.eagle3_head import check_pairing, target_embedding
 
     info = read_eagle3_head(str(head_folder))
     if info is None:

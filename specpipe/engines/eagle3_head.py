@@ -29,15 +29,13 @@ import json
 import math
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from specpipe.checkpoint.eagle3 import EAGLE3_CONFIG_BLOCK, EAGLE3_LAYER_IDS_KEY, load_eagle3_tensors
 from specpipe.errors import EngineError
 
-if TYPE_CHECKING:
-    from specpipe.engines.eagle3_onnx import Eagle3OnnxHead
 
 _MIN_CAPACITY = 256  # positions; the cache doubles from here
 _MATRICES = ("fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
@@ -45,15 +43,15 @@ _MATRICES = ("fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_att
              "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "lm_head.weight")
 
 
-# What the head can run in; `fastest_head_dtype` times them. The first three are torch (this module), the "ort-" ones
+# What the head can run in; drafts/eagle3.py `fastest_head_dtype` times them. The first three are torch (this module), the "ort-" ones
 # ONNX Runtime (engines/eagle3_onnx.py: one graph, so no eager dispatch per op).
 HEAD_DTYPES = ("float32", "bfloat16", "int8", "ort-float32", "ort-int8")
-_ORT_PREFIX = "ort-"
+ORT_PREFIX = "ort-"
 
 
 def head_dtype(dtype: str) -> str:
     """"auto" without a measurement (a manifest written before the build timed the head): bfloat16 where the CPU
-    multiplies bf16 natively (AVX512-BF16 or AMX-BF16), else float32. Builds record `fastest_head_dtype`'s choice."""
+    multiplies bf16 natively (AVX512-BF16 or AMX-BF16), else float32. Builds record drafts/eagle3.py `fastest_head_dtype`'s choice."""
     if dtype != "auto":
         if dtype not in HEAD_DTYPES:
             raise EngineError(f"an EAGLE-3 head runs in {', '.join(HEAD_DTYPES)}, not {dtype}")
@@ -62,34 +60,6 @@ def head_dtype(dtype: str) -> str:
 
     isa = describe_machine().isa
     return "bfloat16" if isa.get("avx512_bf16") or isa.get("amx_bf16") else "float32"
-
-
-def fastest_head_dtype(folder: str | Path, target_embedding: np.ndarray, *, feature_layers: Optional[Sequence[int]] = None,
-                       rounds: int = 3, target=None) -> tuple[str, dict[str, float]]:
-    """The dtype whose draft step is fastest on this machine, timed here (engines/timing.py `head_step_ms`, the
-    candidates in turn, `rounds` times, median): bf16 is emulated ~30x slower on a CPU without AVX512-BF16, and int8
-    runs on FBGEMM's / oneDNN's int8 kernels, whose speed depends on VNNI. Returns (dtype, {dtype: ms}); a dtype
-    torch cannot run here is left out. Any dtype keeps decoding lossless (the q it drafts from is what it computes);
-    what it may change is acceptance (docs/eagle3.md: held-out agreement fp32 0.573, bf16 0.571, int8 0.569).
-    `target`: the target engine, whose decode step then runs before each timed head step, as in decoding
-    (engines/timing.py `head_step_ms`'s `between`): the head's weights come from memory, not a warm cache."""
-    import statistics
-
-    from specpipe.engines.timing import head_step_ms, target_step
-
-    engines = {}
-    for dtype in HEAD_DTYPES:
-        try:
-            engines[dtype] = open_head(folder, target_embedding, dtype=dtype, feature_layers=feature_layers)
-        except (RuntimeError, ImportError):  # no int8 kernels in this torch build: not a candidate here
-            continue
-    between = target_step(target) if target is not None else None
-    times: dict[str, list[float]] = {dtype: [] for dtype in engines}
-    for _ in range(rounds):
-        for dtype, engine in engines.items():
-            times[dtype].append(head_step_ms(engine, between=between))
-    ms = {dtype: round(statistics.median(values), 4) for dtype, values in times.items()}
-    return min(ms, key=ms.get), ms
 
 
 class Eagle3Head:
@@ -126,18 +96,6 @@ class Eagle3Head:
             raise EngineError(f"{folder}: d2t maps draft columns outside the target's {self.target_vocab_size} tokens")
 
 
-def open_head(folder: str | Path, target_embedding: np.ndarray, *, dtype: str = "float32",
-              feature_layers: Optional[Sequence[int]] = None):
-    """The head in `folder` as the runtime `dtype` names (HEAD_DTYPES; "auto": `head_dtype`'s guess)."""
-    dtype = head_dtype(dtype)
-    if dtype.startswith(_ORT_PREFIX):
-        from specpipe.engines.eagle3_onnx import Eagle3OnnxHead
-
-        spec = Eagle3Head(folder, target_embedding, feature_layers=feature_layers)
-        return Eagle3OnnxHead(spec, quant=dtype[len(_ORT_PREFIX):])
-    return Eagle3HeadEngine(folder, target_embedding, dtype=dtype, feature_layers=feature_layers)
-
-
 class Eagle3HeadEngine(Eagle3Head):
     """The head run by torch, its matrices in `dtype` (float32, bfloat16 or int8)."""
 
@@ -147,8 +105,8 @@ class Eagle3HeadEngine(Eagle3Head):
 
         super().__init__(folder, target_embedding, feature_layers=feature_layers)
         self.dtype = head_dtype(dtype)
-        if self.dtype.startswith(_ORT_PREFIX):
-            raise EngineError(f"{dtype} runs in ONNX Runtime: open it with open_head")
+        if self.dtype.startswith(ORT_PREFIX):
+            raise EngineError(f"{dtype} runs in ONNX Runtime: open it with drafts/eagle3.py open_head")
         if self.dtype == "int8":
             self.mat = {name: _int8_linear(self.w[name]) for name in _MATRICES}
         else:
@@ -342,9 +300,10 @@ def target_embedding(engine_folder: str | Path) -> np.ndarray:
                       "the head needs the target's fp32 input embedding")
 
 
-def check_pairing(head: "Eagle3Head | Eagle3OnnxHead", target_feature_layers: Sequence[int], target_vocab_size: int,
+def check_pairing(head, target_feature_layers: Sequence[int], target_vocab_size: int,
                   target_folder: Optional[Path] = None) -> None:
-    """The head reads exactly the layers the target engine outputs, over the target's vocabulary."""
+    """The head (either runtime's engine: torch here, ONNX Runtime in eagle3_onnx.py) reads exactly the layers the
+    target engine outputs, over the target's vocabulary."""
     where = f" ({target_folder})" if target_folder else ""
     if tuple(target_feature_layers) != head.feature_layers:
         raise EngineError(f"the head {head.folder} reads target layers {list(head.feature_layers)}; the target engine"

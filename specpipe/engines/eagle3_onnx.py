@@ -4,8 +4,8 @@ Why: the torch head runs ~40 eager ops a step, and on a 2-core CPU their dispatc
 matrices (SmolLM2-135M's head: ~1 ms a step in torch int8, 0.15 of an int8-wo target step; docs/eagle3-decoding.md
 measures both). One ONNX Runtime call runs the same ops from one graph. The graph is built here from the head's
 tensors with onnx.helper (no file to write or keep in step with the checkpoint: it takes well under a second), and
-its matrices are quantized with the target's own weight-only recipe when int8 runs faster here
-(`eagle3_head.fastest_head_dtype` times both).
+its matrices are quantized with the target's own weight-only recipe (drafts/eagle3.py `open_head`, the quantize stage
+being later than this one) when int8 runs faster here (drafts/eagle3.py `fastest_head_dtype` times both).
 
 One call appends r = n + m rows to the head's cache (the caller's numpy arrays) and returns the last row's logits:
 
@@ -36,17 +36,21 @@ _MIN_CAPACITY = 256  # positions; the cache doubles from here
 _OPSET = 22
 _DOMAINS = (("", _OPSET), ("com.microsoft", 1))  # SimplifiedLayerNormalization is ONNX Runtime's RMSNorm
 # The head's matrices [out, in] by upstream name, as the graph's initializers (transposed: MatMul takes [in, out]).
-_MATRICES = ("fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+MATRICES = ("fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
              "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
              "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "lm_head.weight")
 _NORMS = ("midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
           "midlayer.post_attention_layernorm.weight", "norm.weight")
-# int8 as the target's int8-wo: MatMulNBits, symmetric, blocks of 64 along the input (576, 1536 and 1728 all divide).
-_INT8_BLOCK = 64
 
 
-def head_graph(tensors: dict, *, heads: int, kv_heads: int, head_dim: int, eps: float, rope_theta: float):
-    """The head's step as an onnx ModelProto (fp32 matrices). `tensors`: name -> numpy array, upstream's names."""
+def head_graph(spec):
+    """The head's step as an onnx ModelProto with fp32 matrices. `spec`: an eagle3_head.Eagle3Head."""
+    return build_graph({name: spec.w[name].numpy() for name in MATRICES + _NORMS}, heads=spec.heads,
+                       kv_heads=spec.kv_heads, head_dim=spec.head_dim, eps=spec.eps, rope_theta=spec.rope_theta)
+
+
+def build_graph(tensors: dict, *, heads: int, kv_heads: int, head_dim: int, eps: float, rope_theta: float):
+    """`head_graph` from its parts. `tensors`: name -> numpy array, upstream's names."""
     from onnx import TensorProto, helper, numpy_helper
 
     hidden_size = tensors["fc.weight"].shape[0]
@@ -155,27 +159,17 @@ def open_session(model, *, threads: int = 1):
 
 
 class Eagle3OnnxHead:
-    """The head (`eagle3_head.Eagle3Head`'s config, tensors and draft vocabulary) run by ONNX Runtime; `quant`
-    "float32" or "int8" (the matrices as MatMulNBits, 8 bits, the target's int8-wo recipe). Same calls as
+    """The head (`eagle3_head.Eagle3Head`'s config, tensors and draft vocabulary) run by ONNX Runtime over `model`,
+    `head_graph`'s graph of it, its matrices as given (fp32, or int8 MatMulNBits from the quantize stage:
+    drafts/eagle3.py `open_head` makes both). `dtype` names it in HEAD_DTYPES. Same calls as
     eagle3_head.Eagle3HeadEngine: new_cache, context_rows, draft_step."""
 
-    def __init__(self, spec, *, quant: str = "float32"):
+    def __init__(self, spec, model, *, dtype: str):
         self.spec = spec
         for name in ("folder", "feature_layers", "feature_width", "draft_vocab_size", "token_ids",
                      "target_vocab_size", "hidden_size", "kv_heads", "head_dim", "max_seq_len"):
             setattr(self, name, getattr(spec, name))
-        self.dtype = f"ort-{quant}"
-        tensors = {name: spec.w[name].numpy() for name in _MATRICES + _NORMS}
-        model = head_graph(tensors, heads=spec.heads, kv_heads=spec.kv_heads, head_dim=spec.head_dim, eps=spec.eps,
-                           rope_theta=spec.rope_theta)
-        if quant == "int8":
-            from specpipe.quantize.weight_only import quantize_weight_only
-
-            # int4 (the body at 4 bits, the head at 8) was timed too: 0.77-0.80 ms against int8's 0.85-0.93 a
-            # step after a target call, SmolLM2's head on the Zen 4 here, too little to risk acceptance for.
-            model = quantize_weight_only(model, mode="int8-wo", group_size=_INT8_BLOCK)
-        elif quant != "float32":
-            raise EngineError(f"an ONNX Runtime head runs in float32 or int8, not {quant}")
+        self.dtype = dtype
         self.session = open_session(model)
         self.embedding = spec.embedding_array
         self._no_features = np.zeros((0, self.feature_width), np.float32)

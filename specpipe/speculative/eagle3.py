@@ -36,7 +36,7 @@ DEFAULT_HEAD_DRAFT_COST = 0.05
 
 
 class Eagle3Drafter(Drafter):
-    """`head`: an EAGLE-3 head engine (engines/eagle3_head.py `open_head`: torch or ONNX Runtime) whose feature
+    """`head`: an EAGLE-3 head engine (drafts/eagle3.py `open_head`: torch or ONNX Runtime) whose feature
     layers the target engine outputs."""
 
     name = "eagle3"
