@@ -55,8 +55,9 @@ NAME = "smollm2-demo"
 #   the target's 48-row step), 304-318 -> 446-471 answer tokens/s here. With the head in ONNX Runtime the demo took
 #   11 min 38 s and deployed the head at 1.21x, so the budget doubled its answers and took 900k training tokens:
 #   held-out agreement 0.47 -> 0.51, and on the 12 packaged code prompts (never trained on) acceptance at K=1
-#   0.435 -> 0.515, K=1 1.27x -> 1.29-1.31x, adaptive 1.22-1.23x -> 1.28-1.37x (docs/eagle3.md 3e). Distill from an
-#   empty cache: ~14 minutes on the quiet Zen 4 (estimated from a run that reused 44k cached answers: 12 min 19 s).
+#   0.435 -> 0.515, K=1 1.27x -> 1.29-1.31x, adaptive 1.22-1.23x -> 1.28-1.37x (docs/eagle3.md 3e). The fresh demo
+#   with it took 14 min 58 s (distill 726 s) and deployed the head at 1.26x, but its training stopped at 669k tokens
+#   at the 40% share of the cap it then had; the whole 900k adds ~130 s at its 1,745 tokens/s (estimate: ~17 min).
 #   On the AVX2-only CPU this budget does not fit the 18-minute cap (fp32 training at ~870 tokens/s alone needs
 #   ~17 minutes): the cap cuts its training short there, and the build deploys whatever measures fastest.
 DISTILL_KIND = "eagle3"
