@@ -268,3 +268,39 @@ def test_listeners_name_the_process_on_a_port_and_nothing_on_a_free_one():
         assert "\n" not in holder.describe() and holder.describe().startswith(f"pid {os.getpid()} (")
         assert listeners(port, "0.0.0.0") == [holder]  # a wildcard bind would collide with it too
     assert listeners(port) == []
+
+
+# A process whose main thread has ended while another thread, and the listening socket the threads share, live on:
+# how a killed tritonserver looks for a moment (its main thread a zombie, its other threads still exiting).
+_HALF_EXITED = """
+import ctypes, socket, threading, time
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+print(listener.getsockname()[1], flush=True)
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_process_whose_main_thread_is_a_zombie_has_not_exited():
+    """end_orphaned_servers waits for `exited`, not for the main thread to read as a zombie: a thread still running
+    holds the process's sockets, and the next start would find its port held by a process it cannot see."""
+    from specpipe.triton.stubs import exited
+
+    child = subprocess.Popen([sys.executable, "-c", _HALF_EXITED], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(child.stdout.readline())
+        _wait_for(lambda: _state(child.pid) == "Z", "the main thread ended")
+        assert listeners(port) and not exited(child.pid)  # the other thread holds the socket still
+        child.kill()
+        _wait_for(lambda: exited(child.pid), "the process exited")
+        assert not listeners(port)
+    finally:
+        child.kill()
+        child.wait()
+    assert exited(child.pid)  # reaped: gone

@@ -240,6 +240,19 @@ def _serving(server: ServerProcess) -> bool:
     return now is not None and now.server_id == server.server_id  # not a new process that got the same pid
 
 
+def exited(pid: int) -> bool:
+    """The process has let go of what it held: it is gone, or a zombie with no thread left. A killed multi-threaded
+    process (tritonserver) reads as a zombie as soon as its main thread exits, while its other threads, which share
+    its open sockets, may still be exiting: the next start then found its port held by "a process this user cannot
+    see" (a zombie's /proc/<pid>/fd is empty; make test-stress under load, session 15)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X") and len(tasks) <= 1
+
+
 def find_servers() -> list[ServerProcess]:
     return [server for pid in _pids() if (server := read_server(pid)) is not None]
 
@@ -258,7 +271,7 @@ def end_orphaned_servers(servers: list[ServerProcess], why: dict[int, str], time
         except PermissionError:  # another user's: the caller names it as what holds the port
             continue
         deadline = time.monotonic() + timeout_s
-        while _serving(server) and time.monotonic() < deadline:
+        while (_serving(server) or not exited(server.pid)) and time.monotonic() < deadline:
             time.sleep(0.02)
         ended += clean_server(server.shm_prefix) if server.shm_prefix else Cleanup()
         ended.servers.append(f"pid {server.pid} serving {server.repo}, whose specpipe (pid {server.starter_pid}) is "
