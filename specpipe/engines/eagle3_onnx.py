@@ -3,7 +3,7 @@
 Why: the torch head runs ~40 eager ops a step, and on a 2-core CPU their dispatch costs more than the head's
 matrices (SmolLM2-135M's head: ~1 ms a step in torch int8, 0.15 of an int8-wo target step; docs/eagle3-decoding.md
 measures both). One ONNX Runtime call runs the same ops from one graph. The graph is built here from the head's
-tensors with onnx.helper (no file to write or keep in step with the checkpoint: it takes well under a second), and
+tensors with onnx.helper when the head is opened (no file to write or keep in step with the checkpoint), and
 its matrices are quantized with the target's own weight-only recipe (drafts/eagle3.py `open_head`, the quantize stage
 being later than this one) when int8 runs faster here (drafts/eagle3.py `fastest_head_dtype` times both).
 
