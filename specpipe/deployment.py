@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -97,8 +98,8 @@ def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: boo
     if head is not None:
         drafter = head_drafter(Path(head), target, folder / manifest.target.engine.path, dtype="measure")
         # no build timed this head against this target: its step cost is timed here, as the build would
-        step_costs = (StepCosts(head_step_ms(drafter.head, between=target_step(target)) / step_ms(target, 1),
-                                 step_costs.verify_per_token)
+        step_costs = (dataclasses.replace(step_costs, draft=head_step_ms(drafter.head, between=target_step(target))
+                                          / step_ms(target, 1))
                       if step_costs else None)
     else:
         drafter = make_drafter(folder, manifest.draft, target, threads)

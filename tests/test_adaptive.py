@@ -16,6 +16,7 @@ from specpipe.speculative.adaptive import (
     best_draft_length,
     draft_length_policy,
     expected_speedup,
+    worth_another,
 )
 from specpipe.speculative.decoder import SpeculativeDecoder
 from specpipe.speculative.drafters import Drafter, DraftSession, ModelDrafter, Proposal
@@ -58,6 +59,85 @@ def test_expected_speedup_k_follows_a_scripted_acceptance_sequence():
         free.observe(free.k, 0)
     # A draft that is always wrong is cut to one token (the prior keeps a at 1 / (2 + 1/(1 - decay)) = 0.19).
     assert free.k == 1 and free.acceptance == pytest.approx(0.19, abs=0.01)
+
+
+# An int8 CPU target (the Zen 4 here): verifying 1 or 2 drafts costs 1.08 or 1.25 steps, not 1 + b k.
+INT8_CPU = StepCosts(draft=0.1, verify_per_token=0.1, verify=(1.08, 1.25, 1.36))
+FP32_CPU = StepCosts(draft=0.05, verify_per_token=0.04)  # verification nearly free, no curve recorded
+
+
+def test_verify_cost_reads_the_measured_curve_then_extends_it_by_b():
+    assert INT8_CPU.verify_cost(0) == 1.0
+    assert [INT8_CPU.verify_cost(k) for k in (1, 2, 3)] == [1.08, 1.25, 1.36]
+    assert INT8_CPU.verify_cost(5) == pytest.approx(1.36 + 2 * 0.1)
+    assert FP32_CPU.verify_cost(4) == pytest.approx(1 + 4 * 0.04)  # no curve: the line through b
+    assert INT8_CPU.step_cost(2) == pytest.approx(1.25 + 2 * 0.1)
+    assert StepCosts(draft=0.1, verify_per_token=0.1).as_dict()["verify"] == ()  # older manifests read as the line
+
+
+def test_expected_speedup_charges_the_measured_verify_curve():
+    assert expected_speedup(1, 0.5, INT8_CPU) == pytest.approx(1.5 / 1.18)
+    assert expected_speedup(2, 0.5, INT8_CPU) == pytest.approx(1.75 / 1.45)
+    # The line through b = 0.1 charges K = 2 1.4 steps and picks it at a = 0.55 (1.323 vs 1.292); the measured
+    # staircase charges 1.45 and keeps K = 1 (1.314 vs 1.278).
+    assert best_draft_length(0.55, StepCosts(draft=0.1, verify_per_token=0.1), 8) == 2
+    assert best_draft_length(0.55, INT8_CPU, 8) == 1
+    assert best_draft_length(0.9, INT8_CPU, 8) > 1
+
+
+def test_another_token_is_drafted_only_while_it_raises_tokens_per_cost():
+    # int8 target, request acceptance 0.5: after a sure token another pays (1.9 / 1.18 = 1.610 < 2.35 / 1.45 =
+    # 1.621), after p = 0.6 it does not (1.356 > 1.310), and the chain's product counts, not the last token alone.
+    assert worth_another([0.9], 0.5, INT8_CPU)
+    assert not worth_another([0.6], 0.5, INT8_CPU)
+    assert not worth_another([0.9, 0.6], 0.5, INT8_CPU)
+    # With nearly free verification the same 0.6 is worth following; a weak link later still ends the step.
+    assert worth_another([0.6], 0.5, FP32_CPU)
+    assert not worth_another([0.9, 0.1], 0.5, FP32_CPU)
+    # A request whose drafts are seldom accepted expects little from the next token.
+    assert worth_another([0.9], 0.9, INT8_CPU) and not worth_another([0.9], 0.05, INT8_CPU)
+
+
+# Draft table for the session tests: after token 0 the draft is sure of 1 (0.95), after 1 it picks 2 at 0.6,
+# after 2 and 3 it is sure again. Greedy drafting from context [0] goes 1, 2, 3, 0.
+SURE_THEN_UNSURE = np.array(
+    [
+        [0.01, 0.95, 0.02, 0.01, 0.01],
+        [0.10, 0.05, 0.60, 0.15, 0.10],
+        [0.02, 0.02, 0.02, 0.92, 0.02],
+        [0.92, 0.02, 0.02, 0.02, 0.02],
+        [0.20, 0.20, 0.20, 0.20, 0.20],
+    ]
+)
+
+
+@pytest.mark.parametrize("draft_length, start, costs, expected", [
+    ("adaptive", 1, INT8_CPU, [1, 2]),  # 0.95 is worth following, 0.95 x 0.6 is not: the step ends after 2
+    ("adaptive", 1, FP32_CPU, [1, 2, 3, 0]),  # cheap verification: the chain is followed to the ceiling
+    ("heuristic", 4, INT8_CPU, [1, 2, 3, 0]),  # the floor alone (0.4) never stops this chain
+])
+def test_a_draft_session_ends_its_step_where_the_cost_rule_says(draft_length, start, costs, expected):
+    from specpipe.speculative.settle import RequestState
+
+    cfg = GenerationConfig(draft_length=draft_length, num_draft_tokens=start, max_draft_tokens=4, max_new_tokens=32)
+    target = BigramEngine(np.log(SURE_THEN_UNSURE))
+    request = RequestState([0], cfg, SpecStats(), set())
+    request.start(target.new_sequence(), ModelDrafter(BigramEngine(np.log(SURE_THEN_UNSURE)), 5), costs, 64)
+    assert request.draft.stops_by_confidence and request.draft_len.k == start
+    k = request.draft_k()
+    assert k == 4  # adaptive: the ceiling (max_draft_tokens), not the policy's K of 1; heuristic: its K, 4
+    proposal = request.draft.propose(request.context, k, cfg.sampling, request.rng)
+    assert proposal.tokens == expected
+
+
+def test_prompt_lookup_is_asked_for_the_policys_k_not_its_ceiling():
+    from specpipe.speculative.settle import RequestState
+
+    cfg = GenerationConfig(max_draft_tokens=16)
+    request = RequestState([0, 1, 0], cfg, SpecStats(), set())
+    request.start(BigramEngine.random(4, seed=0).new_sequence(), NgramDrafter(), INT8_CPU, 64)
+    assert not request.draft.stops_by_confidence  # no confidence to stop by
+    assert request.draft_k() == request.draft_len.k < 16
 
 
 def test_heuristic_k_follows_a_scripted_acceptance_sequence():
@@ -307,6 +387,8 @@ def test_adaptive_k_uses_the_costs_measured_at_build_on_tiny_onnx_engines(tiny_s
     deployment = load_deployment(tiny_self_build, threads=1)
     costs = deployment.manifest.step_costs  # measured at build
     assert deployment.costs == costs and 0.0 < costs.draft and 0.0 <= costs.verify_per_token
+    # the verify curve too: a call on 1 + k tokens for k = 1..4, never under a step nor under the one before
+    assert len(costs.verify) == 4 and 1.0 <= costs.verify[0] and list(costs.verify) == sorted(costs.verify)
     drafter = RecordingDrafter(deployment.drafter)
     decoder = SpeculativeDecoder(deployment.target, drafter, deployment.generator.decoder.eos_token_ids, deployment.costs)
     prompt = deployment.generator.encode("def add(a, b):")
@@ -319,3 +401,11 @@ def test_adaptive_k_uses_the_costs_measured_at_build_on_tiny_onnx_engines(tiny_s
     for asked in drafter.lengths[:-2]:  # the last steps are cut to the tokens left to emit
         assert asked == policy.k
         policy.observe(asked, asked)
+
+
+def test_the_verify_curve_reads_noise_below_a_step_or_below_a_shorter_call_as_noise(monkeypatch):
+    from specpipe.engines import timing
+
+    readings = {2: 9.0, 3: 12.5, 4: 12.0, 5: 14.0}  # ms of a call on n tokens; a one-token step takes 10 ms
+    monkeypatch.setattr(timing, "step_ms", lambda engine, n, **kwargs: readings[n])
+    assert timing.verify_curve(object(), 10.0) == (1.0, 1.25, 1.25, 1.4)

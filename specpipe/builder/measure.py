@@ -33,15 +33,16 @@ from specpipe.drafts import kind_named, make_drafter
 from specpipe.engines import load_engine
 from specpipe.engines.base import Engine
 from specpipe.engines.onnxruntime import TARGET_MIN_ROWS
-from specpipe.engines.timing import batch_step_ms, batch_steps_ms, head_step_ms, step_ms, target_step
+from specpipe.engines.timing import batch_step_ms, batch_steps_ms, head_step_ms, step_ms, target_step, verify_curve
 from specpipe.speculative.adaptive import predicted_speedup
 from specpipe.speculative.drafters import Drafter
 from specpipe.speculative.generator import SpecGenerator
 
 def measure_step_costs(target, draft=None, *, head=None, verify_tokens: int = 8) -> StepCosts:
-    """Time the engines alone on a 64-token cache (medians): a target call on 1 and on 1 + verify_tokens
-    tokens, and a draft step of the draft engine or of an EAGLE-3 `head` (engines/eagle3_head.py; each after a
-    target step, as in decoding). Prompt lookup (no draft engine) costs nothing."""
+    """Time the engines alone on a 64-token cache (medians): a target call on 1, on 1 + k tokens for the first
+    few k (the verify curve) and on 1 + verify_tokens tokens, and a draft step of the draft engine or of an EAGLE-3
+    `head` (engines/eagle3_head.py; each after a target step, as in decoding). Prompt lookup (no draft engine)
+    costs nothing."""
     one = step_ms(target, 1)
     many = step_ms(target, 1 + verify_tokens)
     draft_ms = (step_ms(draft, 1) if draft is not None
@@ -49,6 +50,7 @@ def measure_step_costs(target, draft=None, *, head=None, verify_tokens: int = 8)
     return StepCosts(
         draft=draft_ms / one,
         verify_per_token=max(many - one, 0.0) / verify_tokens / one,
+        verify=verify_curve(target, one),
     )
 
 

@@ -13,6 +13,25 @@ class StepCosts:
 
     draft: float  # c: one draft step / one target step
     verify_per_token: float  # b: (target call on n+1 tokens - call on 1 token) / n / one target step
+    # verify[k - 1]: a target call on 1 + k tokens / one target step, measured for k = 1 .. len(verify). A CPU's
+    # cost is not linear in k: ONNX Runtime's int8 MatMulNBits works on pairs of rows, so on the Zen 4 here a call
+    # on 2 tokens cost 1.08 steps and one on 3 tokens 1.25. Empty (older manifests): 1 + b k.
+    verify: tuple[float, ...] = ()
+
+    def verify_cost(self, k: int) -> float:
+        """A target call that scores the last context token and k drafts, relative to one target step."""
+        if k <= 0:
+            return 1.0
+        if k <= len(self.verify):
+            return self.verify[k - 1]
+        if self.verify:  # beyond the measured calls: their last, plus b per further token
+            return self.verify[-1] + self.verify_per_token * (k - len(self.verify))
+        return 1.0 + self.verify_per_token * k
+
+    def step_cost(self, k: int) -> float:
+        """A speculative step with k drafted tokens (k draft steps and their verification), relative to one target
+        step; k = 0 is the target alone."""
+        return self.verify_cost(k) + self.draft * k
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -100,7 +100,7 @@ def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, he
     checkpoint, or an EAGLE-3 `head` folder reading the target's `feature_layers`. Returns the costs and the
     milliseconds behind them. `targets`: the run's exported targets (exported here when missing)."""
     from specpipe.engines import load_engine
-    from specpipe.engines.timing import step_ms
+    from specpipe.engines.timing import step_ms, verify_curve
 
     if targets is not None and (targets.checkpoint != Path(target) or targets.feature_layers != tuple(feature_layers)):
         raise ValueError(f"the exported targets are {targets.checkpoint} with features {list(targets.feature_layers)}, "
@@ -122,7 +122,8 @@ def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, he
         else:
             draft_ms = step_ms(load_engine(export_engine(draft, Path(tmp) / "draft"), threads=threads), 1,
                                context_len=CONTEXT_TOKENS, repeats=REPEATS)
-    costs = StepCosts(draft=draft_ms / one, verify_per_token=max(many - one, 0.0) / VERIFY_TOKENS / one)
+        curve = verify_curve(engine, one, context_len=CONTEXT_TOKENS, repeats=REPEATS)
+    costs = StepCosts(draft=draft_ms / one, verify_per_token=max(many - one, 0.0) / VERIFY_TOKENS / one, verify=curve)
     return costs, {"target_step_ms": round(one, 3), f"target_{1 + VERIFY_TOKENS}_token_step_ms": round(many, 3),
                    "draft_step_ms": round(draft_ms, 3), **({"head_dtype": head_dtype} if head is not None else {})}
 
@@ -134,7 +135,8 @@ def verdict(agreement: float, costs: StepCosts, *, kind: str = "model", timings:
     draft = (f", the EAGLE-3 head as its CPU engine in {(timings or {}).get('head_dtype', 'its fastest dtype')}"
              if kind == "eagle3" else ", fp32 draft")
     return {"agreement": round(agreement, 4), "target_quant": quant,
-            "step_costs": {k_: round(v, 4) for k_, v in costs.as_dict().items()},
+            "step_costs": {k_: [round(x, 4) for x in v] if isinstance(v, (tuple, list)) else round(v, 4)
+                           for k_, v in costs.as_dict().items()},
             "best_k": k, "predicted_speedup": round(expected_speedup(k, agreement, costs), 3),
             **({"step_ms": timings} if timings else {}),
             "measured_with": MEASURED_WITH.format(quant=QUANT_NAMES.get(quant, quant), draft=draft)}
@@ -172,8 +174,8 @@ def verdict_line(v: dict) -> str:
     costs = v["step_costs"]
     target = QUANT_NAMES.get(v.get("target_quant", "none"), v.get("target_quant"))
     line = (f"verdict: agreement {v['agreement']:.2f} on {v.get('agreement_on', 'held-out answers')}, predicted {speedup:.2f}x at K={v['best_k']} "
-            f"against the {target} target (draft step {costs['draft']:.3f}, verify {costs['verify_per_token']:.3f}/token of a "
-            "target step, ONNX Runtime engines)")
+            f"against the {target} target (draft step {costs['draft']:.3f}, verify {_verify_text(costs)} of a target "
+            "step, ONNX Runtime engines)")
     others = [f"{QUANT_NAMES.get(q, q)} {o['predicted_speedup']:.2f}x" for q, o in (v.get("by_target_quant") or {}).items()
               if q != v.get("target_quant")]
     if others:
@@ -181,3 +183,11 @@ def verdict_line(v: dict) -> str:
     if speedup < 1.0:
         line += ": slower than the target alone here; build will prefer another draft or none"
     return line
+
+
+def _verify_text(costs: dict) -> str:
+    """'1+1 tokens 1.08, 1+2 1.25, ...' where the curve was measured (StepCosts.verify), else b per token."""
+    curve = costs.get("verify") or []
+    if not curve:
+        return f"{costs['verify_per_token']:.3f}/token"
+    return "calls on 1+k tokens " + ", ".join(f"{v:.2f}" for v in curve[:3]) + " (k = 1, 2, 3)"

@@ -25,6 +25,21 @@ def step_ms(engine, new_tokens: int, *, context_len: int = 64, repeats: int = 20
     return statistics.median(seconds) * 1e3
 
 
+VERIFY_CURVE_TOKENS = 4  # drafts whose verify call is timed one count at a time (StepCosts.verify)
+
+
+def verify_curve(engine, one_ms: float, *, max_drafts: int = VERIFY_CURVE_TOKENS, context_len: int = 64,
+                 repeats: int = 20) -> tuple[float, ...]:
+    """A call on 1 + k tokens relative to a one-token step of `one_ms`, k = 1 .. max_drafts (StepCosts.verify).
+    Each is at least 1 and at least the one before: a call on more tokens costs no less, so a smaller reading is
+    timing noise, which would otherwise make a longer draft look free."""
+    curve, floor = [], 1.0
+    for k in range(1, max_drafts + 1):
+        floor = max(floor, step_ms(engine, 1 + k, context_len=context_len, repeats=repeats) / one_ms)
+        curve.append(round(floor, 4))
+    return tuple(curve)
+
+
 def head_step_ms(head, *, context_len: int = 64, repeats: int = 20, between: Optional[Callable[[], None]] = None) -> float:
     """Median ms of one EAGLE-3 draft step (engines/eagle3_head.py) on a `context_len`-row cache: what the head
     costs per drafted token. The features are made up: the time does not depend on their values. `between`, when

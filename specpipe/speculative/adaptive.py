@@ -3,19 +3,23 @@
 Adaptive drafting (the default) picks, after every verification, the K that maximises the expected
 speedup of the next step (Leviathan et al. 2023, section 3.5: the improvement factor of Theorem 3.8),
 
-    speedup(K) = (1 + a + a^2 + ... + a^K) / (1 + (c + b) K)
+    speedup(K) = (1 + a + a^2 + ... + a^K) / (V(K) + c K),   V(K) = 1 + b K when only b is known
+
 
     a: the per-token acceptance rate, estimated from this request's recent verifications;
     c: the cost of one draft step relative to one target step (0 for prompt lookup);
     b: the extra cost of each verified token relative to one target step (the paper takes b = 0, a
-       GPU verifying K tokens as fast as one; on a CPU a 5-token verification costs ~1.13 steps).
+       GPU verifying K tokens as fast as one; on a CPU a 5-token verification costs ~1.13 steps);
+    V(K): a target call on 1 + K tokens relative to one step, measured per K where the build recorded it
+       (StepCosts.verify: on an int8 CPU target it is a staircase, not a line).
 
-c and b are measured on the built engines (builder/measure.py, stored in the manifest), so the same
+c, b and V are measured on the built engines (builder/measure.py, stored in the manifest), so the same
 rule drafts long when drafts are free and usually right (prompt lookup while the answer copies its input)
-and short when the draft is costly or usually wrong. On top of that a model draft stops early when it is
-unsure (transformers' `assistant_confidence_threshold`, llama.cpp's `p_min`): see `ModelDraftSession`,
-which only needs `draft_confidence_floor`. transformers' schedule (+2 after a fully accepted draft, -1
-otherwise) remains available as `draft_length="heuristic"`.
+and short when the draft is costly or usually wrong. That K is a ceiling: within a step, a model draft or an
+EAGLE-3 head drafts one more token only while its own confidence says the step's expected tokens per cost
+rise (`worth_another`), and never after a token below `min_draft_confidence` (transformers'
+`assistant_confidence_threshold`, llama.cpp's `p_min`; `draft_confidence_floor`). transformers' schedule (+2
+after a fully accepted draft, -1 otherwise) remains available as `draft_length="heuristic"` (floor only).
 
 No rule looks at the target's distribution before verification, so the acceptance rule stays exact: they
 change how many tokens are drafted, never how a drafted token is accepted.
@@ -24,6 +28,7 @@ change how many tokens are drafted, never how a drafted token is accepted.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Sequence
 
 from specpipe.contract.costs import BatchCosts, StepCosts
 from specpipe.contract.generation import GenerationConfig
@@ -37,6 +42,17 @@ class DraftLengthPolicy(ABC):
     @abstractmethod
     def observe(self, num_drafted: int, accepted_len: int) -> None:
         """Told after each verification how many drafted tokens there were and how many were accepted."""
+
+    @property
+    def ceiling(self) -> int:
+        """What a draft that ends its steps by its own confidence (DraftSession.stops_by_confidence) is asked
+        for: k, unless the policy's cost rule (`worth_another`) ends its steps."""
+        return self.k
+
+    def worth_another(self, confidences: Sequence[float]) -> bool:
+        """Told the draft's top probabilities of the tokens drafted so far this step: whether to draft one more
+        (within k). These policies always do; ExpectedSpeedupDraftLength asks the costs."""
+        return True
 
 
 class FixedDraftLength(DraftLengthPolicy):
@@ -102,6 +118,18 @@ class ExpectedSpeedupDraftLength(DraftLengthPolicy):
         self.successes, self.trials = acceptance * weight, weight
         self.k = best_draft_length(self.acceptance, self.costs, self.max_len)
 
+    @property
+    def ceiling(self) -> int:
+        """k is best for a draft whose every token has the mean acceptance; a draft that knows its confidence token
+        by token is asked for up to max_len and stopped by `worth_another`: a sure run of tokens goes past k, an
+        unsure token ends the step before it."""
+        return self.max_len
+
+    def worth_another(self, confidences: Sequence[float]) -> bool:
+        """Told the draft's top probabilities of the tokens drafted so far this step: whether one more pays
+        (`worth_another`, below), the next token's chance taken as this request's acceptance estimate."""
+        return worth_another(confidences, self.acceptance, self.costs)
+
     def observe(self, num_drafted: int, accepted_len: int) -> None:
         if num_drafted == 0:
             return
@@ -113,7 +141,26 @@ class ExpectedSpeedupDraftLength(DraftLengthPolicy):
 def expected_speedup(k: int, acceptance: float, costs: StepCosts) -> float:
     """Expected tokens per step over the step's cost, both relative to target-only decoding."""
     tokens = sum(acceptance**i for i in range(k + 1))  # accepted drafts + the recovered or bonus token
-    return tokens / (1.0 + (costs.draft + costs.verify_per_token) * k)
+    return tokens / costs.step_cost(k)
+
+
+def worth_another(confidences: Sequence[float], acceptance: float, costs: StepCosts) -> bool:
+    """Whether drafting one more token raises this step's expected tokens per cost (EAGLE-2's observation: a
+    draft's confidence tracks its acceptance, so the step's length can follow it instead of a fixed K).
+
+    confidences: the draft's top probability at each token drafted so far, taken as that token's chance of
+    acceptance given the earlier ones (measured calibrated for a distilled EAGLE-3 head, docs/eagle3-decoding.md);
+    the next token's chance, unknown before its draft step, is `acceptance`. With k tokens drafted, the step
+    yields 1 + p1 + p1 p2 + ... tokens for costs.step_cost(k), and one more adds p1 ... pk * acceptance for
+    step_cost(k + 1). Example, int8-wo target (verify of 1+1 / 1+2 tokens 1.08 / 1.25 steps), c = 0.1, a = 0.5:
+    after p1 = 0.9 another pays (1.9 / 1.18 = 1.61 < 2.35 / 1.45 = 1.62), after p1 = 0.6 it does not."""
+    chain = 1.0
+    tokens = 1.0
+    for p in confidences:
+        chain *= p
+        tokens += chain
+    k = len(confidences)
+    return (tokens + chain * acceptance) / costs.step_cost(k + 1) > tokens / costs.step_cost(k)
 
 
 def best_draft_length(acceptance: float, costs: StepCosts, max_len: int) -> int:
@@ -167,13 +214,13 @@ def plan_batch_draft_lengths(acceptances: list[float], preferred: list[int], cos
         return sum(a**i for i in range(k + 1))
 
     def lone_ms(k: int) -> float:
-        return step_one * (1.0 + (costs.draft + costs.verify_per_token) * k)
+        return step_one * costs.step_cost(k)
 
     def speculating_ms(ks: list[int]) -> float:
         """The speculating rows' share of the step: each verifies alone; their drafts run alone or batched."""
         if draft_batch is None:
             return sum(lone_ms(k) for k in ks)
-        verify = sum(step_one * (1.0 + costs.verify_per_token * k) for k in ks)
+        verify = sum(step_one * costs.verify_cost(k) for k in ks)
         return verify + sum(draft_batch.decode(sum(k >= s for k in ks)) for s in range(1, max(ks) + 1))
 
     gain = [expected_tokens(a, k) / lone_ms(k) if k > 0 else 0.0 for a, k in zip(acceptances, preferred)]

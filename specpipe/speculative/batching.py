@@ -395,8 +395,10 @@ class BatchScheduler:
         fixed = [r.cfg.draft_length == "fixed" for r in ready]
         acceptances = [getattr(r.draft_len, "acceptance", 0.5) for r in ready]
         planned = plan_batch_draft_lengths(acceptances, preferred, self.costs, self.batch_costs, self.draft_batch_costs)
-        # A request that asked for a fixed K gets it (benchmarks sweep K); the plan decides for the rest.
-        return [p if f else k for p, f, k in zip(preferred, fixed, planned)]
+        # A request that asked for a fixed K gets it (benchmarks sweep K); the plan decides for the rest, and a
+        # speculating row whose draft stops by its confidence is asked for its ceiling (RequestState.draft_k).
+        return [p if f else min(r.draft_k(), r.room()) if k > 0 else 0
+                for r, p, f, k in zip(ready, preferred, fixed, planned)]
 
     def _finish(self, request: _Request, done: bool = True) -> None:
         if request in self.running:

@@ -39,7 +39,7 @@ class SpeculativeDecoder:
         request = RequestState(list(prompt_ids), cfg, stats, eos)
         request.start(self.target.new_sequence(), self.drafter, self.costs, self.target.max_seq_len)
         while not request.finished:
-            k = min(request.draft_len.k, request.room()) if request.draft is not None else 0
+            k = min(request.draft_k(), request.room())
 
             # 1. Draft: up to k tokens x_1..x_k, with the q they were drawn from.
             t0 = time.perf_counter()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -36,6 +36,13 @@ class Proposal:
 
 
 class DraftSession(ABC):
+    # Set by the request when its K adapts (adaptive.ExpectedSpeedupDraftLength.worth_another): told the top
+    # probabilities of the tokens drafted so far this step, whether one more pays. None: draft up to k.
+    worth_another: Optional[Callable[[Sequence[float]], bool]] = None
+    # True: the session ends a step by its tokens' confidence (`_Drafted.go_on`), so it is asked for the policy's
+    # ceiling rather than its K (adaptive.DraftLengthPolicy.ceiling). Prompt lookup has no confidence.
+    stops_by_confidence: bool = False
+
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, sampling: SamplingConfig, rng: np.random.Generator) -> Proposal:
         """Propose up to k tokens to follow `context` (prompt + tokens emitted so far)."""
@@ -105,7 +112,7 @@ class ModelDrafter(Drafter):
           1. catch up: rows with one token to append (after a rejection) run in one call; rows with more (a
              draft accepted whole + the bonus token, a first step) run alone;
           2. draft: every row still drafting picks its next token from its latest logits; a row that has its k
-             tokens or is unsure of its last (confidence floor) is done; the others append theirs in one call.
+             tokens or stops after its last (`_Drafted.go_on`) is done; the others append theirs in one call.
         Example, ks = [3, 1, 2], one token each to catch up, nobody unsure: one call catches all three up and they
         pick x_1; rows 0 and 2 append x_1 in one call and pick x_2; row 0 appends x_2 alone and picks x_3. Three
         draft calls where row-by-row proposing makes six (3 + 1 + 2)."""
@@ -117,7 +124,8 @@ class ModelDrafter(Drafter):
         while drafting:
             for i in drafting:
                 drafts[i].add(*sessions[i].pick(logits[i], samplings[i], rngs[i]))
-            drafting = [i for i in drafting if len(drafts[i].tokens) < ks[i] and sessions[i].confident(logits[i])]
+            drafting = [i for i in drafting
+                        if len(drafts[i].tokens) < ks[i] and drafts[i].go_on(sessions[i], _top_probability(logits[i]))]
             step = self.rows.decode([sessions[i].seq for i in drafting], [drafts[i].tokens[-1] for i in drafting])
             for row, i in enumerate(drafting):
                 logits[i] = step[row]
@@ -143,24 +151,35 @@ class _Drafted:
 
     tokens: list[int] = field(default_factory=list)
     q_rows: list[np.ndarray] = field(default_factory=list)  # each [V_target]; empty under greedy
+    confidences: list[float] = field(default_factory=list)  # the draft's top probability at each token
 
     def add(self, token: int, q: Optional[np.ndarray]) -> None:
         self.tokens.append(token)
         if q is not None:
             self.q_rows.append(q)
 
+    def go_on(self, session: DraftSession, confidence: float) -> bool:
+        """After a token drafted with this top probability (of the draft's own softmax, T = 1, so it means the
+        same under greedy and sampling; tokens a sliced head does not score have q = 0, so the same either way):
+        whether to draft another. Not after a token under the session's floor (the tokens after it are likely
+        rejected, and each costs a draft step), nor when the request's cost rule says one more does not pay."""
+        self.confidences.append(confidence)
+        if confidence < session.min_confidence:
+            return False
+        return session.worth_another is None or session.worth_another(self.confidences)
+
     def proposal(self) -> Proposal:
         return Proposal(self.tokens, np.stack(self.q_rows) if self.q_rows else None)
 
 
 class ModelDraftSession(DraftSession):
+    stops_by_confidence = True
+
     def __init__(self, drafter: ModelDrafter, cfg: GenerationConfig):
         self.drafter = drafter
         # A row of the drafter's batch when it serves a batch of requests, else a cache of its own.
         self.seq = drafter.rows.new_sequence() if drafter.rows is not None else drafter.engine.new_sequence()
-        # Stop drafting after a token the draft was unsure of: the tokens after it are likely rejected,
-        # and each costs a draft call. Confidence = top probability of the draft's own softmax (T = 1),
-        # so it means the same under greedy and sampling.
+        # Stop drafting after a token the draft was unsure of (_Drafted.go_on).
         self.min_confidence = draft_confidence_floor(cfg)
         self.closed = False
 
@@ -169,7 +188,7 @@ class ModelDraftSession(DraftSession):
         draft = _Drafted()
         for _ in range(k):
             draft.add(*self.pick(logits, sampling, rng))
-            if len(draft.tokens) == k or not self.confident(logits):
+            if len(draft.tokens) == k or not draft.go_on(self, _top_probability(logits)):
                 break
             logits = self.seq.append(draft.tokens[-1:])[-1]
         return draft.proposal()
@@ -184,11 +203,6 @@ class ModelDraftSession(DraftSession):
             return int(self._in_target_vocab(logits).argmax()), None
         q = shape_probs(self._in_target_vocab(logits), sampling)[0]
         return sample(q, rng), q
-
-    def confident(self, logits: np.ndarray) -> bool:
-        """Whether to draft on after a token drawn from these logits. Tokens a sliced head does not score have
-        q = 0, so its top probability is the same either way."""
-        return _top_probability(logits) >= self.min_confidence
 
     def close(self) -> None:
         if self.drafter.rows is not None and not self.closed:

@@ -54,6 +54,8 @@ class Eagle3Drafter(Drafter):
 
 
 class Eagle3DraftSession(DraftSession):
+    stops_by_confidence = True
+
     def __init__(self, drafter: Eagle3Drafter, cfg: GenerationConfig):
         self.drafter, self.head = drafter, drafter.head
         self.cache = self.head.new_cache()  # row i = context position i (draft steps only while proposing)
@@ -84,7 +86,7 @@ class Eagle3DraftSession(DraftSession):
         draft = _Drafted()
         for _ in range(k):
             draft.add(*self.pick(logits, sampling, rng))
-            if len(draft.tokens) == k or _top_probability(logits) < self.min_confidence:
+            if len(draft.tokens) == k or not draft.go_on(self, _top_probability(logits)):
                 break
             logits, state = self.head.draft_step(self.cache, draft.tokens[-1], state)
         self.cache.truncate(last_row + 1)  # the draft positions leave; verified ones come back from features

@@ -49,6 +49,15 @@ class RequestState:
         if self.reads_features:
             row.keep_features()  # its target calls also give the features its drafter reads
         self.draft_len = draft_length_policy(self.cfg, costs)  # fixed K, or K adapted to this request
+        if self.draft is not None:  # an adaptive K is a ceiling: the draft stops when one more does not pay
+            self.draft.worth_another = self.draft_len.worth_another
+
+    def draft_k(self) -> int:
+        """Tokens to ask the draft for this step (before `room`): 0 without a draft; the policy's K; or, for a draft
+        that ends its steps by its own confidence, the policy's ceiling (adaptive.py `worth_another`)."""
+        if self.draft is None:
+            return 0
+        return self.draft_len.ceiling if self.draft.stops_by_confidence else self.draft_len.k
 
     def room(self) -> int:
         """Tokens that may still be drafted: a step also adds one target token, within both limits."""
