@@ -453,9 +453,14 @@ def batched_drafts_match_alone(target, drafter) -> bool:
             base = sum(alone.decode(prompt, cfg.model_copy(update={"speculative": False}), SpecStats()), [])
             divergence = compare_greedy(target, prompt, out, base, near_tie_tolerance("none"))
             assert divergence is None or divergence.near_tie, divergence
-    drafted = sum(s.drafted for s in stats)
+    # The head is good at a block's first position only (module docstring: ~3/4 of tokens are in its vocabulary;
+    # later positions read its own hidden state). Count the fixed-K requests alone: whether the adaptive request
+    # speculates at all is the planner's choice from measured step times, so its share varies with the machine's load
+    # (CI saw 0.286 over all requests when it drafted 56 tokens, 0.34 when it drafted none).
+    first = sum(s.accepted_at[0] for s, c in zip(stats, BATCH_CFGS) if c.draft_length == "fixed")
+    drafted = sum(s.drafted_at[0] for s, c in zip(stats, BATCH_CFGS) if c.draft_length == "fixed")
     assert drafted > 0
-    return same and sum(s.accepted for s in stats) / drafted > 0.3
+    return same and first / drafted > 0.5
 
 
 @pytest.mark.timing
