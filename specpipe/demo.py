@@ -240,7 +240,8 @@ def _print_precisions(demo: Demo, manifest: Manifest) -> None:
 
 
 def generate_samples(demo: Demo) -> str:
-    """A few prompts, greedy: speculative (adaptive K) and the target alone on the same engine."""
+    """A few prompts, greedy: speculative (adaptive K) against the target alone as deployed without a draft
+    (unpadded, Deployment.target_alone), and its output against the target alone on the same padded engine."""
     from specpipe.deployment import load_deployment
 
     deployment = load_deployment(demo.engine_dir, threads=THREADS)
@@ -250,17 +251,20 @@ def generate_samples(demo: Demo) -> str:
     table = Table(title=f"{MAX_NEW_TOKENS} new tokens, greedy, 2 threads", title_justify="left")
     for column in ("prompt", "tok/s spec", "tok/s target", "speedup", "acceptance", "mean acc. len", "= target"):
         table.add_column(column, justify="left" if column == "prompt" else "right")
+    unpadded = deployment.target_alone(THREADS)
     generator.generate(PROMPTS[0][1], deployment.generation_config(max_new_tokens=8), chat=True)  # warm-up
+    unpadded.generate(PROMPTS[0][1], deployment.decoding.request(0, max_new_tokens=8), chat=True)
     speedups = []
     for kind, prompt in PROMPTS:
         spec = generator.generate(prompt, deployment.generation_config(max_new_tokens=MAX_NEW_TOKENS), chat=True)
-        alone = generator.generate(prompt, deployment.decoding.request(0, max_new_tokens=MAX_NEW_TOKENS),
-                                   chat=True)
+        target_only = deployment.decoding.request(0, max_new_tokens=MAX_NEW_TOKENS)
+        alone = unpadded.generate(prompt, target_only, chat=True)
+        same_engine = alone if unpadded is generator else generator.generate(prompt, target_only, chat=True)
         speedups.append(spec.tokens_per_s / alone.tokens_per_s)
         demo.console.print(Panel(spec.text.strip(), title=f"[{kind}] {prompt}", title_align="left"))
         table.add_row(prompt[:40] + ("…" if len(prompt) > 40 else ""), f"{spec.tokens_per_s:.1f}",
                       f"{alone.tokens_per_s:.1f}", f"{speedups[-1]:.2f}x", f"{spec.stats.acceptance_rate:.2f}",
-                      f"{spec.stats.mean_accepted_len:.2f}", "yes" if spec.token_ids == alone.token_ids else "NO")
+                      f"{spec.stats.mean_accepted_len:.2f}", "yes" if spec.token_ids == same_engine.token_ids else "NO")
     demo.console.print(table)
     demo.results["generate_speedups"] = speedups
     return f"{len(PROMPTS)} prompts, speedup {min(speedups):.2f}x-{max(speedups):.2f}x vs the target alone"

@@ -49,6 +49,17 @@ class Deployment:
         """A request on this deployment as deployed: `overrides`, K within the build's (DecodingPolicy.request)."""
         return self.decoding.request(None, **overrides)
 
+    def target_alone(self, threads: int = THREADS) -> SpecGenerator:
+        """The target alone as a build without a draft deploys it: unpadded (builder/measure.py `rows_per_call`).
+        The speed any draft must beat. When this deployment's target pads its 1-token calls to verify rows
+        (engines/onnxruntime.py `min_rows`), that is a second session on the same files; otherwise its own generator.
+        Its greedy ids may differ from the padded target's by a kernel's rounding: a speculative row's output is
+        compared with the padded target alone, which it must equal."""
+        if self.target.min_rows == 1:
+            return self.generator
+        engine = load_engine(self.folder / self.manifest.target.engine.path, threads=threads, min_rows=1)
+        return SpecGenerator(engine, None, self.tokenizer, self.manifest.eos_token_ids, self.generator.decoder.costs)
+
 
 def make_scheduler(target: Engine, drafter: Optional[Drafter], eos_token_ids, costs: Optional[StepCosts],
                    manifest: Manifest) -> BatchScheduler:

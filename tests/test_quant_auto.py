@@ -408,3 +408,61 @@ def test_a_head_drafting_for_a_target_built_without_a_draft_pads_it():
     assert target_rows_per_call(unpadded, verifies=True) == TARGET_MIN_ROWS
     drafting = SimpleNamespace(verify_consistency=record.model_copy(update={"verify_calls": True}), min_rows_per_call=1)
     assert target_rows_per_call(drafting, verifies=True) == 1  # measured consistent unpadded: nothing to pad
+
+
+def test_the_draft_choice_times_the_target_alone_unpadded_and_checks_output_on_the_padded_one(genai_int8, tiny_tokenizer,
+                                                                                                monkeypatch):
+    """A target that pads its 1-token steps for the candidates' verify calls runs unpadded when deployed without a
+    draft (rows_per_call): "none" is timed on that engine, the candidates on the padded one, and each candidate's
+    output is compared with the padded target alone (a reference row, not a candidate). A planted unpadded engine
+    that answers other tokens shows in none's row only, never as a candidate that changed the output."""
+    import specpipe.builder.measure as measure
+    from specpipe.builder.config import DraftChoiceConfig
+    from specpipe.builder.measure import Candidate, measure_candidates
+    from specpipe.contract.costs import StepCosts
+    from specpipe.engines import load_engine
+    from specpipe.speculative.ngram import NgramDrafter
+
+    padded = load_engine(genai_int8, threads=1, min_rows=2)
+    alone = load_engine(genai_int8, threads=1, min_rows=1)
+    built = []
+    row = measure._row
+    monkeypatch.setattr(measure, "_row", lambda candidate, target, *a, **k: built.append(
+        (k.get("label") or candidate.spec, target)) or row(candidate, target, *a, **k))
+    ngram = Candidate("ngram", "ngram", NgramDrafter(), StepCosts(0.0, 0.1), source="ngram")
+    cfg = DraftChoiceConfig(choice_sets=["code"], choice_prompts=1, choice_tokens=12, warmup_prompts=0)
+    records = measure_candidates(padded, [ngram], tiny_tokenizer, [], cfg, max_draft_len=4, alone=alone)
+    assert [(label, engine is alone) for label, engine in built] == [
+        ("none", True), (measure.PADDED_BASELINE, False), ("ngram", False)]
+    assert [r.draft for r in records] == ["none", "ngram"]  # the padded run is a reference, not a candidate
+    assert records[1].matches_target == records[1].prompts == 1
+
+    def other_tokens(candidate, target, *a, **k):  # planted: the unpadded target alone answers other tokens
+        spec_row = row(candidate, target, *a, **k)
+        if target is alone:
+            run = spec_row.run
+            spec_row.run = lambda *args: dataclasses.replace(m := run(*args), token_ids=m.token_ids[::-1] + [0])
+        return spec_row
+
+    monkeypatch.setattr(measure, "_row", other_tokens)
+    records = measure_candidates(padded, [ngram], tiny_tokenizer, [], cfg, max_draft_len=4, alone=alone)
+    assert records[1].matches_target == 1  # still equal to the padded target alone
+
+
+def test_bench_times_the_target_alone_unpadded_beside_the_padded_reference():
+    """spec_rows: with `alone`, the target-only row runs on it and the deployment's own target-only run follows as
+    PADDED_BASELINE; summarize counts matches_target against that reference and speedup against the baseline."""
+    from specpipe.bench.harness import BASELINE, PADDED_BASELINE, Measurement, spec_rows, summarize
+
+    own, unpadded = object(), object()
+    rows = spec_rows(own, [1], True, alone=unpadded)
+    assert [(r.label, r.generator) for r in rows] == [(BASELINE, unpadded), (PADDED_BASELINE, own), ("K=1", own),
+                                                      ("adaptive", own)]
+    assert [r.label for r in spec_rows(own, [1], False, alone=own)] == [BASELINE, "K=1"]
+
+    def runs(ids, ms):
+        return [Measurement("p", 4, ms, 1.0, token_ids=ids)]
+
+    row = summarize("K=1", "speculative", 1, runs([1, 2, 3, 4], 50.0), runs([1, 2, 3, 5], 100.0), runs([1, 2, 3, 4], 110.0))
+    assert (row["speedup"], row["matches_target"]) == (2.0, 1)
+    assert summarize("K=1", "speculative", 1, runs([1, 2, 3, 4], 50.0), runs([1, 2, 3, 5], 100.0))["matches_target"] == 0

@@ -12,8 +12,12 @@ Conventions (see specpipe.speculative.stats for the decoder's):
   ttft_ms: median time to the first token; ms_per_token: median decode time per token after the first.
 - acceptance_rate = accepted / drafted, and mean_accepted_len = emitted tokens per target step
   (bonus included), both pooled over all prompts.
-- speedup = the row's median tokens/s / the target-only row's median tokens/s.
-- matches_target: prompts whose token ids equal target-only's (greedy must give all of them).
+- speedup = the row's median tokens/s / the target-only row's median tokens/s. The target-only row is the target
+  as deployed without a draft: unpadded. A target that pads its 1-token steps to 2 rows so they score like verify
+  rows (engines/onnxruntime.py `min_rows`) runs ~5-10% slower alone; that padded run is its own row
+  (PADDED_BASELINE), the reference for matches_target.
+- matches_target: prompts whose token ids equal the target alone's on the same engine session (the padded row when
+  there is one; greedy must give all of them).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from specpipe.contract.generation import GenerationConfig
 from specpipe.speculative.generator import SpecGenerator
 
 BASELINE = "target-only"
+PADDED_BASELINE = "target-only, padded"  # the target alone with its 1-token steps padded as the speculative rows'
 
 
 @dataclass
@@ -89,13 +94,17 @@ class SpecRow:
 
 def spec_rows(generator: SpecGenerator, draft_lengths: list[int], adaptive: bool, label_prefix: str = "",
               decoding: DecodingPolicy = DecodingPolicy(max_draft_len=64),
-              strategy: str = "draft-model") -> list[SpecRow]:
+              strategy: str = "draft-model", alone: Optional[SpecGenerator] = None) -> list[SpecRow]:
     """Target-only, fixed K for each K, and the adaptive default, all on one generator. `decoding` is the
     deployment's, so every row asks for its K as a served request does (the adaptive row within the build's
     max_draft_len). `strategy` names what the generator's drafter is (a peer row is compared with the row of its
-    strategy)."""
+    strategy). `alone`: the target-only row's generator when it is not `generator` (Deployment.target_alone: the
+    unpadded target); `generator`'s own target-only run then follows as PADDED_BASELINE."""
     greedy = dict(stop_on_eos=True)
-    rows = [SpecRow(label_prefix + BASELINE, generator, decoding.request(0, **greedy), "target-only", None)]
+    request = decoding.request(0, **greedy)
+    rows = [SpecRow(label_prefix + BASELINE, alone or generator, request, "target-only", None)]
+    if alone is not None and alone is not generator:
+        rows.append(SpecRow(label_prefix + PADDED_BASELINE, generator, request, "target-only", None))
     for k in draft_lengths:
         rows.append(SpecRow(f"{label_prefix}K={k}", generator, decoding.request(k, **greedy), "speculative", k, strategy))
     if adaptive:
@@ -104,8 +113,10 @@ def spec_rows(generator: SpecGenerator, draft_lengths: list[int], adaptive: bool
     return rows
 
 
-def summarize(label: str, kind: str, k: Optional[int], runs: list[Measurement], baseline: Optional[list[Measurement]]) -> dict:
-    """One row of the results table (conventions in the module docstring)."""
+def summarize(label: str, kind: str, k: Optional[int], runs: list[Measurement], baseline: Optional[list[Measurement]],
+              reference: Optional[list[Measurement]] = None) -> dict:
+    """One row of the results table (conventions in the module docstring): speedup against `baseline`,
+    matches_target against `reference` (the padded target alone, when there is one) or else `baseline`."""
     tps = [m.tokens_per_s for m in runs]
     per_token = [m.ms_per_token for m in runs if m.ms_per_token is not None]
     drafted = sum(m.drafted or 0 for m in runs)
@@ -133,7 +144,7 @@ def summarize(label: str, kind: str, k: Optional[int], runs: list[Measurement], 
         row["speedup"] = row["tokens_per_s"] / base_tps if base_tps else None
         ratios = [m.tokens_per_s / b.tokens_per_s for m, b in zip(runs, baseline) if b.tokens_per_s]
         row["speedup_per_prompt_median"] = statistics.median(ratios) if ratios else None
-        row["matches_target"] = sum(m.token_ids == b.token_ids for m, b in zip(runs, baseline) if m.token_ids)
+        row["matches_target"] = sum(m.token_ids == b.token_ids for m, b in zip(runs, reference or baseline) if m.token_ids)
     return row
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from specpipe.bench.config import BenchConfig
-from specpipe.bench.harness import BASELINE, measurement_dict, run_rows, spec_rows, summarize
+from specpipe.bench.harness import BASELINE, PADDED_BASELINE, measurement_dict, run_rows, spec_rows, summarize
 from specpipe.bench.limits import floor_ms_per_token, measure_bandwidth, weight_bytes
 from specpipe.bench.peers.common import PRECISION_OF_QUANT
 from specpipe.bench.peers.compare import add_vs_specpipe, check_against_own, own_baseline_label, peer_best
@@ -43,7 +43,7 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
     strategy = STRATEGY_OF_DRAFT.get("eagle3" if cfg.head else deployment.manifest.draft.kind, "draft-model")
     rows = spec_rows(generator, cfg.draft_lengths if deployment.drafter is not None else [],
                      cfg.adaptive and deployment.drafter is not None, decoding=deployment.decoding,
-                     strategy=strategy)
+                     strategy=strategy, alone=deployment.target_alone(cfg.threads))
     from specpipe.bench.peers import peer_accuracy, peer_rows, peer_versions
 
     extra, peer_notes = peer_rows(list(cfg.peers), deployment.manifest.as_dict(), cfg.threads,
@@ -106,7 +106,8 @@ def _table(rows: list, results: dict, own_precision: Optional[str]) -> list[dict
     table = []
     for row in rows:
         peer = getattr(row, "peer", None)
-        summary = summarize(row.label, row.kind, row.k, results[row.label], results[BASELINE])
+        reference = results.get(PADDED_BASELINE) if row.kind == "speculative" and peer is None else None
+        summary = summarize(row.label, row.kind, row.k, results[row.label], results[BASELINE], reference)
         summary.update(peer=peer, strategy=getattr(row, "strategy", "target-only"),
                        precision=getattr(row, "precision", own_precision), settings=getattr(row, "settings", None) or None)
         if peer is not None:  # matches_target becomes "vs its own target-only"; keep the cross-engine count too

@@ -206,6 +206,8 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
     from specpipe.builder import draft_choice
 
     target = load_engine(stage / "target", threads=cfg.backend.threads, min_rows=target_min_rows)
+    alone = (load_engine(stage / "target", threads=cfg.backend.threads, min_rows=1) if target_min_rows > 1
+             else target)  # "none" as deployed: unpadded (measure_candidates)
     candidates, entries, folders = [], {}, {}
     for index, spec in enumerate(cfg.draft):
         say(f"candidate {index + 1}/{len(cfg.draft)}: {spec}")
@@ -222,7 +224,7 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
 
     started = time.perf_counter()
     measurements = measure_candidates(target, candidates, tokenizer, eos_token_ids, cfg.choice,
-                                        max_draft_len=cfg.max_draft_len, progress=say)
+                                        max_draft_len=cfg.max_draft_len, alone=alone, progress=say)
     chosen, reason = draft_choice.choose(measurements, cfg.choice.min_speedup)
     say(f"chose {chosen}: {reason}")
     choice = DraftChoice(
@@ -231,7 +233,7 @@ def _choose_draft(stage: Path, cfg: BuildConfig, kinds: dict, build_draft: Calla
                             new_tokens=cfg.choice.choice_tokens, decoding="greedy, adaptive K"),
         candidates=measurements, wall_s=time.perf_counter() - started,
     )  # fmt: skip
-    del candidates, target  # the ONNX Runtime sessions, before their files move
+    del candidates, target, alone  # the ONNX Runtime sessions, before their files move
     if chosen == draft_choice.NONE:
         entry = kind_named(draft_choice.NONE).entry()  # the target alone
         costs = measure_built_step_costs(stage, entry, cfg, target_min_rows)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from specpipe.bench.harness import SpecRow, run_rows, summarize
+from specpipe.bench.harness import PADDED_BASELINE, SpecRow, run_rows, summarize
 from specpipe.bench.prompts import load_prompt_sets
 from specpipe.builder.config import BuildConfig, DraftChoiceConfig
 from specpipe.builder.draft_choice import NONE
@@ -166,11 +166,19 @@ class Candidate:
 
 
 def measure_candidates(target: Engine, candidates: Sequence[Candidate], tokenizer, eos_token_ids: Sequence[int],
-                       cfg: DraftChoiceConfig, *, max_draft_len: int,
+                       cfg: DraftChoiceConfig, *, max_draft_len: int, alone: Optional[Engine] = None,
                        progress: Callable[[str], None] = lambda msg: None) -> list[CandidateMeasurement]:
-    """One measurement per candidate, "none" (the target alone) first."""
+    """One measurement per candidate, "none" (the target alone) first.
+
+    `alone`: the target as a build without a draft deploys it (unpadded, `rows_per_call`), when `target` pads its
+    1-token steps to verify rows. "none" is timed on it, so a draft must beat the deployment it would replace, not
+    a padded target ~5-10% slower. Each candidate's output is checked against the padded target alone (a row of
+    its own, not a candidate): that is the output speculation must equal; the unpadded target's greedy ids may
+    differ from it by a kernel's rounding."""
     baseline = Candidate(NONE, "none", None, StepCosts(0.0, 0.0), source=NONE)
-    rows = [_row(baseline, target, tokenizer, eos_token_ids, max_draft_len)]
+    rows = [_row(baseline, alone or target, tokenizer, eos_token_ids, max_draft_len)]
+    if alone is not None and alone is not target:
+        rows.append(_row(baseline, target, tokenizer, eos_token_ids, max_draft_len, label=PADDED_BASELINE))
     rows += [_row(c, target, tokenizer, eos_token_ids, max_draft_len) for c in candidates if c.kind != "none"]
     sets = load_prompt_sets([], list(cfg.choice_sets), cfg.choice_prompts)
     encode = rows[0].generator.encode
@@ -190,17 +198,21 @@ def measure_candidates(target: Engine, candidates: Sequence[Candidate], tokenize
     by_spec = {c.spec: c for c in [baseline, *candidates]}
     records = []
     for row in rows:
-        summary = summarize(row.label, row.kind, None, results[row.label], results[NONE])
+        if row.label == PADDED_BASELINE:
+            continue
+        reference = results.get(PADDED_BASELINE) if row.label != NONE else None
+        summary = summarize(row.label, row.kind, None, results[row.label], results[NONE], reference)
         records.append(_record(by_spec[row.label], summary, max_draft_len))
     return records
 
 
-def _row(candidate: Candidate, target: Engine, tokenizer, eos_token_ids, max_draft_len: int) -> SpecRow:
+def _row(candidate: Candidate, target: Engine, tokenizer, eos_token_ids, max_draft_len: int,
+         label: Optional[str] = None) -> SpecRow:
     generator = SpecGenerator(target, candidate.drafter, tokenizer, eos_token_ids, candidate.costs)
     alone = candidate.drafter is None
     policy = kind_named(candidate.kind).entry.policy(max_draft_len=max_draft_len)
     cfg = policy.request(0 if alone else None)  # greedy, adaptive K: as served
-    return SpecRow(candidate.spec, generator, cfg, "target-only" if alone else "speculative", None)
+    return SpecRow(label or candidate.spec, generator, cfg, "target-only" if alone else "speculative", None)
 
 
 def _record(candidate: Candidate, summary: dict, max_draft_len: int) -> CandidateMeasurement:
