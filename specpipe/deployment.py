@@ -30,6 +30,7 @@ class Deployment:
     target: Engine
     drafter: Optional[Drafter]
     generator: SpecGenerator
+    threads: int = THREADS  # the engines' intra-op threads, as loaded
 
     @property
     def costs(self) -> StepCosts:
@@ -49,7 +50,7 @@ class Deployment:
         """A request on this deployment as deployed: `overrides`, K within the build's (DecodingPolicy.request)."""
         return self.decoding.request(None, **overrides)
 
-    def target_alone(self, threads: int = THREADS) -> SpecGenerator:
+    def target_alone(self, threads: Optional[int] = None) -> SpecGenerator:
         """The target alone as a build without a draft deploys it: unpadded (builder/measure.py `rows_per_call`).
         The speed any draft must beat. When this deployment's target pads its 1-token calls to verify rows
         (engines/onnxruntime.py `min_rows`), that is a second session on the same files; otherwise its own generator.
@@ -57,7 +58,7 @@ class Deployment:
         compared with the padded target alone, which it must equal."""
         if self.target.min_rows == 1:
             return self.generator
-        engine = load_engine(self.folder / self.manifest.target.engine.path, threads=threads, min_rows=1)
+        engine = load_engine(self.folder / self.manifest.target.engine.path, threads=threads or self.threads, min_rows=1)
         return SpecGenerator(engine, None, self.tokenizer, self.manifest.eos_token_ids, self.generator.decoder.costs)
 
 
@@ -124,4 +125,4 @@ def load_deployment(folder: str | Path, *, threads: int = THREADS, batching: boo
         decoder = make_scheduler(target, drafter, eos, step_costs, manifest)
     # step_costs None (built before they were measured): the drafter's defaults
     generator = SpecGenerator(target, drafter, tokenizer, manifest.eos_token_ids, step_costs, decoder=decoder)
-    return Deployment(folder, manifest, tokenizer, target, drafter, generator)
+    return Deployment(folder, manifest, tokenizer, target, drafter, generator, threads)

@@ -403,9 +403,32 @@ def test_adaptive_k_uses_the_costs_measured_at_build_on_tiny_onnx_engines(tiny_s
         policy.observe(asked, asked)
 
 
-def test_the_verify_curve_reads_noise_below_a_step_or_below_a_shorter_call_as_noise(monkeypatch):
+def test_the_verify_curve_reads_noise_below_a_step_or_below_a_shorter_call_as_noise():
     from specpipe.engines import timing
 
     readings = {2: 9.0, 3: 12.5, 4: 12.0, 5: 14.0}  # ms of a call on n tokens; a one-token step takes 10 ms
-    monkeypatch.setattr(timing, "step_ms", lambda engine, n, **kwargs: readings[n])
-    assert timing.verify_curve(object(), 10.0) == (1.0, 1.25, 1.25, 1.4)
+    assert timing.curve_of(readings, 10.0) == (1.0, 1.25, 1.25, 1.4)
+
+
+def test_calls_of_each_size_are_timed_in_turns_from_the_same_context(monkeypatch):
+    """calls_ms times every call size once per round, round after round (a drift of the machine then falls on every
+    size alike), each on the same context_len-token cache, and leaves the warm-up round out of the medians."""
+    from specpipe.engines import timing
+
+    calls, clock = [], iter(range(10_000))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+
+    class Sequence:
+        length = 0
+
+        def append(self, ids):
+            calls.append((self.length, len(ids)))
+            self.length += len(ids)
+
+        def truncate(self, n):
+            self.length = n
+
+    engine = type("Engine", (), {"vocab_size": 50, "new_sequence": lambda self: Sequence()})()
+    ms = timing.calls_ms(engine, [1, 2, 9, 2], context_len=8, repeats=3)
+    assert calls == [(0, 8)] + [(8, n) for _ in range(4) for n in (1, 2, 9)]
+    assert ms == {1: 1e3, 2: 1e3, 9: 1e3}  # one fake second each call; warm-up round not counted

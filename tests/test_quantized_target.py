@@ -103,3 +103,26 @@ def test_gate_greedy_check_on_a_quantized_build(quantized_target_build):
     assert result.status == "passed" and result.metrics["matched"] == len(PROMPTS), result.failures
     assert result.metrics["verify_consistency"]["within_tolerance"] and not result.warnings
     assert result.metrics["near_tie_margin"] == 1e-3  # the target precision's tolerance
+
+
+def test_the_gate_times_the_target_alone_unpadded_and_checks_greedy_on_the_padded_target(quantized_target_build,
+                                                                                          monkeypatch):
+    """A deployment whose target pads its 1-token steps (forced here: whether this machine's kernels need it is
+    measured at build) times its target-only run on the target as a draft-less deployment runs it, unpadded
+    (Deployment.target_alone), while the greedy checks' target-only output stays the padded target's own."""
+    from specpipe.gate.subjects import InProcessSubject
+    from specpipe.speculative.generator import SpecGenerator
+
+    deployment = load_deployment(quantized_target_build, threads=1)
+    deployment.target.min_rows = 2
+    ran = []
+    generate = SpecGenerator.generate
+    monkeypatch.setattr(SpecGenerator, "generate", lambda self, *a, **k: ran.append(
+        (self.decoder.target.min_rows, self.decoder.drafter is None)) or generate(self, *a, **k))
+    subject = InProcessSubject(deployment)
+    subject.greedy_ids("def f(x):", 4, 0)
+    for k in (None, 0):
+        subject.timed_run(["def f(x):"], 4, k, 1, 1, 0, lambda n: None)
+    assert ran == [(2, False), (2, False), (1, True)]  # greedy: padded; timed speculative: padded; timed alone: not
+    deployment.target.min_rows = 1
+    assert deployment.target_alone() is deployment.generator  # an unpadded target is its own baseline

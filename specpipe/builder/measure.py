@@ -33,7 +33,8 @@ from specpipe.drafts import kind_named, make_drafter
 from specpipe.engines import load_engine
 from specpipe.engines.base import Engine
 from specpipe.engines.onnxruntime import TARGET_MIN_ROWS
-from specpipe.engines.timing import batch_step_ms, batch_steps_ms, head_step_ms, step_ms, target_step, verify_curve
+from specpipe.engines.timing import (VERIFY_CURVE_TOKENS, batch_step_ms, batch_steps_ms, calls_ms, curve_of, head_step_ms,
+                                     step_ms, target_step)
 from specpipe.speculative.adaptive import predicted_speedup
 from specpipe.speculative.drafters import Drafter
 from specpipe.speculative.generator import SpecGenerator
@@ -43,14 +44,14 @@ def measure_step_costs(target, draft=None, *, head=None, verify_tokens: int = 8)
     few k (the verify curve) and on 1 + verify_tokens tokens, and a draft step of the draft engine or of an EAGLE-3
     `head` (engines/eagle3_head.py; each after a target step, as in decoding). Prompt lookup (no draft engine)
     costs nothing."""
-    one = step_ms(target, 1)
-    many = step_ms(target, 1 + verify_tokens)
+    ms = calls_ms(target, [1, *range(2, 2 + VERIFY_CURVE_TOKENS), 1 + verify_tokens])  # in turns: their ratios hold
+    one, many = ms[1], ms[1 + verify_tokens]
     draft_ms = (step_ms(draft, 1) if draft is not None
                 else head_step_ms(head, between=target_step(target)) if head is not None else 0.0)
     return StepCosts(
         draft=draft_ms / one,
         verify_per_token=max(many - one, 0.0) / verify_tokens / one,
-        verify=verify_curve(target, one),
+        verify=curve_of(ms, one),
     )
 
 
@@ -185,7 +186,10 @@ def measure_candidates(target: Engine, candidates: Sequence[Candidate], tokenize
     prompts = [(p.id, encode(p.prompt, chat=_has_chat_template(tokenizer))) for s in sets for p in s.prompts]
     warmup = [prompts[i % len(prompts)][1] for i in range(cfg.warmup_prompts)]
     total, done = len(rows) * (len(prompts) + len(warmup)), 0
-    progress(f"measuring {len(rows) - 1} candidates and the target alone on {len(prompts)} prompts, "
+    padded = any(row.label == PADDED_BASELINE for row in rows)
+    alone_text = "the target alone (unpadded as deployed, and padded as the candidates run it)" if padded else \
+        "the target alone"
+    progress(f"measuring {len(rows) - 1 - padded} candidates and {alone_text} on {len(prompts)} prompts, "
              f"{cfg.choice_tokens} new tokens each")
 
     def on_run(label: str, prompt_id: str) -> None:

@@ -28,7 +28,7 @@ from specpipe.speculative.adaptive import best_draft_length, expected_speedup
 CONTEXT_TOKENS = 64
 VERIFY_TOKENS = 8
 MAX_DRAFT_LEN = 16
-REPEATS = 20
+REPEATS = 40  # rounds of the target's calls in turns (~2 s for SmolLM2-135M on 2 cores)
 MEASURED_WITH = ("ONNX Runtime engines exported here ({quant} target{draft}); build may also quantize a model draft "
                  "and slice its head, which only makes the draft's steps cheaper")
 QUANT_NAMES = {"none": "fp32"}  # a target precision as the verdict names it; others by their --quant mode
@@ -100,7 +100,7 @@ def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, he
     checkpoint, or an EAGLE-3 `head` folder reading the target's `feature_layers`. Returns the costs and the
     milliseconds behind them. `targets`: the run's exported targets (exported here when missing)."""
     from specpipe.engines import load_engine
-    from specpipe.engines.timing import step_ms, verify_curve
+    from specpipe.engines.timing import VERIFY_CURVE_TOKENS, calls_ms, curve_of, step_ms
 
     if targets is not None and (targets.checkpoint != Path(target) or targets.feature_layers != tuple(feature_layers)):
         raise ValueError(f"the exported targets are {targets.checkpoint} with features {list(targets.feature_layers)}, "
@@ -109,8 +109,10 @@ def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, he
         exported = targets or ExportedTargets(target, feature_layers, root=Path(tmp))
         target_dir = exported.folder(quant)
         engine = load_engine(target_dir, threads=threads)
-        one = step_ms(engine, 1, context_len=CONTEXT_TOKENS, repeats=REPEATS)
-        many = step_ms(engine, 1 + VERIFY_TOKENS, context_len=CONTEXT_TOKENS, repeats=REPEATS)
+        # the target's calls in turns (engines/timing.py calls_ms), so the verify curve's ratios come from the same seconds
+        ms = calls_ms(engine, [1, *range(2, 2 + VERIFY_CURVE_TOKENS), 1 + VERIFY_TOKENS], context_len=CONTEXT_TOKENS,
+                      repeats=REPEATS)
+        one, many = ms[1], ms[1 + VERIFY_TOKENS]
         if head is not None:
             from specpipe.drafts.eagle3 import fastest_head_dtype
             from specpipe.engines.eagle3_head import target_embedding
@@ -122,7 +124,7 @@ def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, he
         else:
             draft_ms = step_ms(load_engine(export_engine(draft, Path(tmp) / "draft"), threads=threads), 1,
                                context_len=CONTEXT_TOKENS, repeats=REPEATS)
-        curve = verify_curve(engine, one, context_len=CONTEXT_TOKENS, repeats=REPEATS)
+        curve = curve_of(ms, one)
     costs = StepCosts(draft=draft_ms / one, verify_per_token=max(many - one, 0.0) / VERIFY_TOKENS / one, verify=curve)
     return costs, {"target_step_ms": round(one, 3), f"target_{1 + VERIFY_TOKENS}_token_step_ms": round(many, 3),
                    "draft_step_ms": round(draft_ms, 3), **({"head_dtype": head_dtype} if head is not None else {})}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 
 def step_ms(engine, new_tokens: int, *, context_len: int = 64, repeats: int = 20) -> float:
@@ -28,16 +28,37 @@ def step_ms(engine, new_tokens: int, *, context_len: int = 64, repeats: int = 20
 VERIFY_CURVE_TOKENS = 4  # drafts whose verify call is timed one count at a time (StepCosts.verify)
 
 
-def verify_curve(engine, one_ms: float, *, max_drafts: int = VERIFY_CURVE_TOKENS, context_len: int = 64,
-                 repeats: int = 20) -> tuple[float, ...]:
-    """A call on 1 + k tokens relative to a one-token step of `one_ms`, k = 1 .. max_drafts (StepCosts.verify).
-    Each is at least 1 and at least the one before: a call on more tokens costs no less, so a smaller reading is
-    timing noise, which would otherwise make a longer draft look free."""
+def curve_of(ms_by_tokens: dict[int, float], one_ms: float, max_drafts: int = VERIFY_CURVE_TOKENS) -> tuple[float, ...]:
+    """A call on 1 + k tokens relative to a one-token step of `one_ms`, k = 1 .. max_drafts (StepCosts.verify), from
+    calls already timed ({tokens: ms}, 2 .. 1 + max_drafts; `calls_ms`). Each is at least 1 and at least the one
+    before: a call on more tokens costs no less, so a smaller reading is timing noise, which would otherwise make a
+    longer draft look free."""
     curve, floor = [], 1.0
     for k in range(1, max_drafts + 1):
-        floor = max(floor, step_ms(engine, 1 + k, context_len=context_len, repeats=repeats) / one_ms)
+        floor = max(floor, ms_by_tokens[1 + k] / one_ms)
         curve.append(round(floor, 4))
     return tuple(curve)
+
+
+def calls_ms(engine, token_counts: Sequence[int], *, context_len: int = 64, repeats: int = 20) -> dict[int, float]:
+    """Median ms of one engine call adding n tokens on top of a `context_len`-token cache, for each n in
+    `token_counts`, the counts taking turns call by call: their ratios (a verify call over a one-token step) then
+    come from the same seconds, where timing each count's calls in a block of its own let the machine's drift
+    between blocks into the ratio (the distill verdict's K=1 verify read 1.03 and 1.24 of a step in two runs on the
+    same CPU, against ~1.12 in decoding)."""
+    seq = engine.new_sequence()
+    vocab = getattr(engine, "vocab_size", 1000)
+    seq.append([(7 * i + 3) % vocab for i in range(context_len)])
+    counts = list(dict.fromkeys(token_counts))
+    seconds: dict[int, list[float]] = {n: [] for n in counts}
+    for round_ in range(repeats + 1):  # the first round is a warm-up
+        for n in counts:
+            t0 = time.perf_counter()
+            seq.append([11 % vocab] * n)
+            if round_:
+                seconds[n].append(time.perf_counter() - t0)
+            seq.truncate(context_len)
+    return {n: statistics.median(seconds[n]) * 1e3 for n in counts}
 
 
 def head_step_ms(head, *, context_len: int = 64, repeats: int = 20, between: Optional[Callable[[], None]] = None) -> float:

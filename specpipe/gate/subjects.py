@@ -125,6 +125,7 @@ class InProcessSubject(Subject):
 
         self.reference = deployment
         self.chat = chat
+        self.alone = None  # the unpadded target alone, loaded for the first target-only timed run
         drafter = deployment.drafter
         if isinstance(drafter, ModelDrafter):
             drafter = ModelDrafter(MemoEngine(drafter.engine), drafter.target_vocab_size)
@@ -157,8 +158,12 @@ class InProcessSubject(Subject):
         return out
 
     def timed_run(self, prompts, max_new_tokens, num_draft_tokens, concurrency, requests, warmup, tick):
+        """num_draft_tokens 0 times the target alone as a deployment without a draft runs it (unpadded,
+        Deployment.target_alone), the speed speculation must beat; the greedy checks keep the deployment's own."""
         cfg = self._config(max_new_tokens, num_draft_tokens)
-        generator = self.reference.generator
+        if num_draft_tokens == 0 and self.alone is None:
+            self.alone = self.reference.target_alone()
+        generator = self.alone if num_draft_tokens == 0 else self.reference.generator
         prompt_ids = [self.encode(p) for p in prompts]
 
         def one(i: int) -> RequestTiming:
