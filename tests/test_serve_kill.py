@@ -304,3 +304,57 @@ def test_a_process_whose_main_thread_is_a_zombie_has_not_exited():
         child.kill()
         child.wait()
     assert exited(child.pid)  # reaped: gone
+
+
+# Starts a stand-in server (`sleep`) and its janitor as TritonServer.start does, prints both pids, and waits to be
+# killed. argv: the region prefix, then how long the janitor waits for the server after EOF.
+_STARTER = """
+import subprocess, sys, time
+from specpipe.triton.server import Janitor
+Janitor.SERVER_EXIT_S = float(sys.argv[2])
+server = subprocess.Popen(["sleep", "600"], start_new_session=True)
+janitor = Janitor.start(server.pid, sys.argv[1])
+print(server.pid, janitor.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _killed_starter(prefix: str, server_exit_s: float) -> tuple[int, int]:
+    """A starter killed with SIGKILL after starting a stand-in server and its janitor: (server pid, janitor pid)."""
+    starter = subprocess.Popen([sys.executable, "-c", _STARTER, prefix, str(server_exit_s)], stdout=subprocess.PIPE,
+                               text=True, cwd=PROJECT_ROOT, env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    try:
+        server_pid, janitor_pid = map(int, starter.stdout.readline().split())
+    finally:
+        starter.kill()
+        starter.wait()
+    return server_pid, janitor_pid
+
+
+@pytest.mark.timing
+def test_a_killed_starters_janitor_removes_the_regions_once_its_server_has_exited(tmp_path):
+    """The stubs' watchdog can lose its race with the stub's own exit (the region stays): whoever started the server
+    leaves a janitor that removes the server's regions after the server, whatever killed the starter. While the
+    server runs, the janitor leaves its regions alone, even after giving up on it."""
+    from specpipe.triton.stubs import exited, shm_prefix
+
+    prefix = shm_prefix(tmp_path, "0123abcd")
+    region = SHM_DIR / f"{prefix}stub-region"
+    region.write_bytes(b"\0" * 4096)
+    server_pid, janitor_pid = _killed_starter(prefix, server_exit_s=0.2)
+    try:
+        _wait_for(lambda: exited(janitor_pid), "the janitor gave up on a live server")
+        assert region.exists() and not exited(server_pid)
+    finally:
+        os.kill(server_pid, signal.SIGKILL)
+
+    server_pid, janitor_pid = _killed_starter(prefix, server_exit_s=DEADLINE_S)
+    try:
+        assert region.exists()
+        os.kill(server_pid, signal.SIGKILL)
+        _wait_for(lambda: not region.exists(), "the region removed after the server exited")
+        _wait_for(lambda: exited(janitor_pid), "the janitor's exit")
+    finally:
+        region.unlink(missing_ok=True)
+        if not exited(server_pid):
+            os.kill(server_pid, signal.SIGKILL)

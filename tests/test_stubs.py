@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import specpipe
-from specpipe.triton.stubs import SHM_DIR, Cleanup, _cmdline, clean_leftovers, clean_server, repository_prefix, shm_prefix
+from specpipe.triton.stubs import (SHM_DIR, Cleanup, _cmdline, clean_leftovers, clean_server, read_stub, repository_prefix,
+                                   shm_prefix)
 
 PROJECT_ROOT = Path(specpipe.__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm (Linux)")
@@ -49,6 +50,42 @@ def test_leftover_regions_of_this_repository_go_and_those_in_use_or_of_others_st
         holder.kill()
         holder.wait()
         for path in (stale, in_use, others):
+            path.unlink(missing_ok=True)
+
+
+def _fake_stub(model_py: Path, region: str, server_pid: int) -> subprocess.Popen:
+    """A process that reads as a stub (`triton_python_backend_stub MODEL_PY SHM_REGION ... SERVER_PID`): Python running
+    model_py under the stub's name, its command line written once read_stub sees it."""
+    model_py.parent.mkdir(parents=True, exist_ok=True)
+    model_py.write_text("import time\ntime.sleep(120)\n")
+    stub = subprocess.Popen(["/triton/triton_python_backend_stub", str(model_py), region, "1048576", "1048576",
+                             str(server_pid)], executable=sys.executable)
+    deadline = time.monotonic() + 60
+    while read_stub(stub.pid) is None:  # the exec is done when the command line reads as a stub's (see above)
+        assert time.monotonic() < deadline and stub.poll() is None, "premise: the fake stub reads as a stub"
+        time.sleep(0.01)
+    return stub
+
+
+def test_a_stopped_orphan_stub_does_not_keep_its_siblings_region(tmp_path):
+    """A dead server's two stubs: one left its region (its native exit beat our watchdog), the other is stopped and
+    still runs. The next start ends the stopped one and removes both regions: the stub being ended does not make its
+    server's prefix "in use"."""
+    repo = tmp_path / "repo"
+    prefix = shm_prefix(repo, "0dead0ff")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # the dead server: the stub's parent (this process) is not it, so the stub reads as orphaned
+    left, held = _region(prefix + "sibling"), _region(prefix + "stopped")
+    stub = _fake_stub(repo / "ensemble" / "1" / "model.py", held.name, gone.pid)
+    try:
+        os.kill(stub.pid, signal.SIGSTOP)
+        cleaned = clean_leftovers(repo)
+        assert cleaned.stubs == 1 and cleaned.regions == 2, cleaned
+        assert not left.exists() and not held.exists() and stub.wait(60) == -signal.SIGKILL
+    finally:
+        stub.kill()
+        stub.wait()
+        for path in (left, held):
             path.unlink(missing_ok=True)
 
 

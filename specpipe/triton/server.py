@@ -33,6 +33,7 @@ from pydantic import Field
 
 from specpipe.config import Strict
 from specpipe.errors import ServerError, UsageError
+from specpipe.triton import stubs
 from specpipe.triton.ports import listeners
 from specpipe.triton.stubs import (TOKEN_HEX, Cleanup, clean_leftovers, clean_server, end_orphaned_servers, find_servers,
                                    server_id, shm_prefix)
@@ -153,6 +154,7 @@ class TritonServer:
         self.leftovers = Cleanup()
         self.cleanup = Cleanup()
         self._cleaned = False
+        self._janitor: Optional[Janitor] = None
 
     # -- addresses -------------------------------------------------------------------------------
     @property
@@ -214,6 +216,7 @@ class TritonServer:
             # cwd = the repository: the caller's folder must not leak onto the stub's sys.path ('' is on it).
             self.process = subprocess.Popen(dies_with_parent(self.command()), stdout=log, stderr=subprocess.STDOUT,
                                             env=env, cwd=self.repo, stdin=subprocess.DEVNULL, start_new_session=True)
+        self._janitor = Janitor.start(self.process.pid, self.shm_prefix)
         self._started = time.perf_counter()
         return self
 
@@ -284,6 +287,8 @@ class TritonServer:
                 self.process.wait()
         if not self._cleaned:
             self.cleanup, self._cleaned = clean_server(self.shm_prefix), True
+        if self._janitor is not None:
+            self._janitor.release()
         return self.process.returncode
 
     def leftovers_note(self) -> str:
@@ -346,6 +351,61 @@ def dies_with_parent(command: list[str]) -> list[str]:
     if not sys.platform.startswith("linux"):
         return command
     return [sys.executable, "-S", "-E", "-c", _DIES_WITH_PARENT, str(os.getpid()), *command]
+
+
+# Run beside the server, in a session of its own and without PR_SET_PDEATHSIG, so it outlives us: it blocks on a pipe
+# whose write end only we hold. At EOF (stop() is done, or we are gone, however we went) it waits until the server
+# has exited and then does what stop() would have done: end the server's stubs, remove its regions. The stubs'
+# watchdog (stubs.exit_with_server) removes a stub's own region too, but it races the stub's native health check,
+# which exits the process without removing it once the server is reaped: under a CPU hog the native check won once
+# in six SIGKILLs of `specpipe serve` (tests/test_serve_kill.py, AMD EPYC Zen 3, session 18). stubs.py is loaded by
+# path: it needs only the standard library, so this interpreter starts with -S -E and imports nothing else.
+_CLEANS_UP_AFTER = ("import importlib.util, sys, time\n"
+                    "spec = importlib.util.spec_from_file_location('specpipe_stubs', sys.argv[1])\n"
+                    "stubs = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
+                    "spec.loader.exec_module(stubs)\n"
+                    "sys.stdin.buffer.read()\n"
+                    "server_pid, prefix, deadline = int(sys.argv[2]), sys.argv[3], time.monotonic() + float(sys.argv[4])\n"
+                    "while not stubs.exited(server_pid):\n"
+                    "    if time.monotonic() > deadline: sys.exit(0)  # the server lives on: not ours to clean\n"
+                    "    time.sleep(0.05)\n"
+                    "stubs.clean_server(prefix)\n")
+
+
+@dataclass
+class Janitor:
+    """The process that cleans up after a server once its starter lets go (`_CLEANS_UP_AFTER`); Linux only."""
+
+    process: subprocess.Popen
+    write_end: int
+    SERVER_EXIT_S = 120.0  # how long it waits for a server to exit after EOF before leaving it be
+
+    @classmethod
+    def start(cls, server_pid: int, prefix: str) -> Optional["Janitor"]:
+        if not sys.platform.startswith("linux"):
+            return None
+        read_end, write_end = os.pipe()  # not inheritable: no other child of ours holds the write end
+        try:
+            process = subprocess.Popen([sys.executable, "-S", "-E", "-c", _CLEANS_UP_AFTER, stubs.__file__,
+                                        str(server_pid), prefix, str(cls.SERVER_EXIT_S)],
+                                       stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                       cwd="/", start_new_session=True)
+        except OSError:
+            os.close(write_end)
+            return None  # stop() still cleans up; only a SIGKILL of this process would leave regions behind
+        finally:
+            os.close(read_end)
+        return cls(process, write_end)
+
+    def release(self, timeout_s: float = 10.0) -> None:
+        """EOF to the janitor (the server has exited and stop() has cleaned up), then reap it."""
+        if self.write_end >= 0:
+            os.close(self.write_end)
+            self.write_end = -1
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass  # it finishes on its own; init reaps it
 
 
 # Triton's log lines that appear on every CPU-only start and explain nothing.

@@ -175,7 +175,10 @@ def clean_leftovers(repo: Path) -> Cleanup:
     named = {path.name: match.group(0) for path in SHM_DIR.glob(repository_prefix(repo) + "*")
              if (match := own.match(path.name))}
     if named:  # a region is in use while its server (or one of its stubs) runs: its prefix is on their command line
-        running = " ".join(_cmdline(pid) for pid in _pids())
+        # ...but not the stubs ended here: a stopped stub kept a region of its dead server's "in use", and with it the
+        # region a sibling stub left when its native exit won the race with our watchdog (make test-stress, Zen 3)
+        ending = {stub.pid for stub in stubs}
+        running = " ".join(_cmdline(pid) for pid in _pids() if pid not in ending)
         named = {name: prefix for name, prefix in named.items() if prefix not in running}
     return _clean(stubs, named)
 
