@@ -449,6 +449,36 @@ def test_the_draft_choice_times_the_target_alone_unpadded_and_checks_output_on_t
     assert records[1].matches_target == 1  # still equal to the padded target alone
 
 
+def test_the_draft_choice_predicts_against_the_target_alone_as_deployed(genai_int8, tiny_tokenizer, monkeypatch):
+    """A candidate's step costs are in steps of the padded target it runs on, and the deployment it would replace
+    runs unpadded: its predicted speedup is the cost model's times the padded target's rate over the unpadded one's,
+    from the same run. The padded row is made to read half as fast here, so an unscaled prediction fails."""
+    import specpipe.builder.measure as measure
+    from specpipe.builder.config import DraftChoiceConfig
+    from specpipe.builder.measure import Candidate, measure_candidates
+    from specpipe.contract.costs import StepCosts
+    from specpipe.drafts import kind_named
+    from specpipe.engines import load_engine
+    from specpipe.speculative.adaptive import predicted_speedup
+    from specpipe.speculative.ngram import NgramDrafter
+
+    real = measure.summarize
+    monkeypatch.setattr(measure, "summarize", lambda label, *a, **k: {**real(label, *a, **k), "speedup": 0.5}
+                        if label == measure.PADDED_BASELINE else real(label, *a, **k))
+    padded = load_engine(genai_int8, threads=1, min_rows=2)
+    alone = load_engine(genai_int8, threads=1, min_rows=1)
+    costs = StepCosts(0.05, 0.1)
+    engine_kind = Candidate("a-model-draft", "model", NgramDrafter(), costs, source="a-model-draft")  # has an engine
+    cfg = DraftChoiceConfig(choice_sets=["code"], choice_prompts=1, choice_tokens=12, warmup_prompts=0)
+    _, record = measure_candidates(padded, [engine_kind], tiny_tokenizer, [], cfg, max_draft_len=4, alone=alone)
+    ceiling = kind_named("model").entry.policy(max_draft_len=4).adaptive_ceiling
+    unscaled = predicted_speedup(record.acceptance_rate, costs, ceiling)
+    assert unscaled > 0 and record.predicted_speedup == pytest.approx(0.5 * unscaled)
+    # one engine for both (a target that does not pad): nothing to scale
+    _, record = measure_candidates(alone, [engine_kind], tiny_tokenizer, [], cfg, max_draft_len=4)
+    assert record.predicted_speedup == pytest.approx(predicted_speedup(record.acceptance_rate, costs, ceiling))
+
+
 def test_bench_times_the_target_alone_unpadded_beside_the_padded_reference():
     """spec_rows: with `alone`, the target-only row runs on it and the deployment's own target-only run follows as
     PADDED_BASELINE; summarize counts matches_target against that reference and speedup against the baseline."""
