@@ -26,8 +26,14 @@ install: $(VENV)/.installed
 # The peers `make bench` compares with (OpenVINO GenAI, onnxruntime-genai; llama.cpp builds from source, ~15 min
 # on 2 cores, so nice'd; its failure leaves the others installed). torch stays pinned: the extras must not move
 # specpipe's own pins.
+# OpenVINO GenAI runs EAGLE-3 heads as optimum-intel >= 2.0 exports them, which cannot share .venv's optimum:
+# that export gets its own environment (specpipe/bench/peers/openvino.py names the packages).
+OV_EXPORT_VENV := .venv-ov-export
 install-peers: install
 	$(PIP) install -q torch==2.13.0 -e '.[dev,peers]'
+	test -x $(OV_EXPORT_VENV)/bin/python || $(PYTHON) -m venv $(OV_EXPORT_VENV)
+	$(OV_EXPORT_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(OV_EXPORT_VENV)/bin/python -m pip install -q $$($(PY) -c 'from specpipe.bench.peers.openvino import HEAD_EXPORTER; print(" ".join(repr(p) for p in HEAD_EXPORTER))')
 	-CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-1} nice -n 19 $(PIP) install -q torch==2.13.0 -e '.[dev,peers-llamacpp]'
 
 test: install
@@ -67,4 +73,4 @@ clean:
 	rm -rf engines/*/ triton_repo/*/ reports/ .pytest_cache
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(OV_EXPORT_VENV)

@@ -46,9 +46,10 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
                      strategy=strategy, alone=deployment.target_alone(cfg.threads))
     from specpipe.bench.peers import peer_accuracy, peer_rows, peer_versions
 
+    head_dir, head_layers = _head(deployment)
     extra, peer_notes = peer_rows(list(cfg.peers), deployment.manifest.as_dict(), cfg.threads,
                                   cfg.peer_draft_lengths or cfg.draft_lengths,
-                                  say=lambda text: say(text, 0, None))
+                                  say=lambda text: say(text, 0, None), head_dir=head_dir, head_layers=head_layers)
     rows += extra
     accuracy, accuracy_notes = peer_accuracy(list(cfg.peers), deployment.manifest.as_dict(), cfg.threads,
                                              deployment.tokenizer, say=lambda text: say(text, 0, None))
@@ -98,6 +99,15 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
         "sets": sets,
         "wall_s": time.perf_counter() - started,
     }
+
+
+def _head(deployment) -> tuple[Optional[Path], tuple[int, ...]]:
+    """The EAGLE-3 head drafting in this bench (`--draft HEAD`, else the deployment's) and the target layers it reads,
+    for the peers that run heads; (None, ()) when the draft is no head."""
+    head = getattr(deployment.drafter, "head", None)
+    if head is None:
+        return None, ()
+    return Path(head.folder), tuple(head.feature_layers)
 
 
 def _table(rows: list, results: dict, own_precision: Optional[str]) -> list[dict]:

@@ -91,8 +91,10 @@ def peer_versions(names: list[str]) -> dict[str, str]:
             for dist in PEERS[name].distributions}
 
 
-def pair_from_manifest(manifest: dict, threads: int, draft_lengths: list[int]) -> tuple[Optional[PeerPair], Optional[str]]:
-    """The deployment's pair as torch checkpoints, or (None, why) when they cannot be found."""
+def pair_from_manifest(manifest: dict, threads: int, draft_lengths: list[int], head_dir: Optional[Path] = None,
+                       head_layers: tuple[int, ...] = ()) -> tuple[Optional[PeerPair], Optional[str]]:
+    """The deployment's pair as torch checkpoints, or (None, why) when they cannot be found. `head_dir`: the
+    EAGLE-3 head that drafts in this bench (the deployment's or `--draft HEAD`), reading `head_layers`."""
     target = manifest.get("target", {})
     draft = manifest.get("draft", {})
     target_dir = target.get("resolved_path")
@@ -110,6 +112,7 @@ def pair_from_manifest(manifest: dict, threads: int, draft_lengths: list[int]) -
         eos_token_ids=tuple(manifest.get("eos_token_ids", [])) or (target.get("checkpoint", {}).get("eos_token_id", 0),),
         threads=threads, draft_lengths=tuple(draft_lengths), precision=PRECISION_OF_QUANT.get(quant, "fp32"),
         target_gguf=source_gguf(target), draft_gguf=source_gguf(draft) if draft_dir is not None else None,
+        head_dir=Path(head_dir) if head_dir is not None else None, head_layers=tuple(head_layers),
     )
     return pair, None
 
@@ -165,18 +168,23 @@ def peer_accuracy(names: list[str], manifest: dict, threads: int, tokenizer,
 
 
 def peer_rows(names: list[str], manifest: dict, threads: int, draft_lengths: list[int],
-              say=lambda text: None) -> tuple[list[PeerRow], list[str]]:
-    """Every available peer's rows for a deployment, and one note per peer skipped or partly skipped."""
+              say=lambda text: None, head_dir: Optional[Path] = None,
+              head_layers: tuple[int, ...] = ()) -> tuple[list[PeerRow], list[str]]:
+    """Every available peer's rows for a deployment, and one note per peer skipped or partly skipped.
+    `head_dir`, `head_layers`: the EAGLE-3 head drafting in this bench, for the peers that run one."""
     rows: list[PeerRow] = []
     notes: list[str] = []
     if not names:
         return rows, notes
-    pair, why = pair_from_manifest(manifest, threads, draft_lengths)
+    pair, why = pair_from_manifest(manifest, threads, draft_lengths, head_dir, head_layers)
     if pair is None:
         return rows, [f"{', '.join(names)}: skipped: {why}"]
-    if pair.draft_dir is None:
+    if pair.draft_dir is None and pair.head_dir is None:
         kind = manifest.get("draft", {}).get("kind", "none")
         notes.append(f"peers: no draft model in this deployment (draft {kind!r}): target-only and prompt-lookup rows only")
+    elif pair.head_dir is not None:
+        notes.append("peers: the draft is an EAGLE-3 head: its rows where a peer runs such heads (openvino), "
+                     "target-only and prompt-lookup rows for the others")
     for name in names:
         note = missing_note(name)
         if note:

@@ -40,6 +40,10 @@ class PeerPair:
     precision: Precision = "fp32"
     target_gguf: Optional[Path] = None  # the GGUF each checkpoint was converted from, where it can be found
     draft_gguf: Optional[Path] = None
+    # the deployment's EAGLE-3 head (upstream's checkpoint format) or bench's `--draft HEAD`, and the target layers
+    # whose outputs it reads (0-based decoder layer ids, the SGLang / TensorRT-LLM convention); None: no head
+    head_dir: Optional[Path] = None
+    head_layers: tuple[int, ...] = ()
 
 
 @dataclass
@@ -101,10 +105,12 @@ def cached_conversion(peer: str, source: Path, precision: Precision, tool: str,
     return final
 
 
-def run_tool(argv: list[str], what: str, timeout_s: float = 1800) -> None:
-    """Run a converter in a subprocess of this Python; a failure becomes one ExportError line."""
+def run_tool(argv: list[str], what: str, timeout_s: float = 1800, python: Optional[Path] = None) -> None:
+    """Run a converter in a subprocess of this Python (or `python`, a converter's own environment); a failure
+    becomes one ExportError line."""
     try:
-        done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run([str(python or sys.executable), *argv], capture_output=True, text=True,
+                              timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise ExportError(f"{what} ran past {timeout_s:.0f} s") from None
     if done.returncode != 0:
