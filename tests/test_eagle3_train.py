@@ -116,10 +116,29 @@ def test_head_chain_hits_read_the_unrolled_step_of_the_row_before(tiny_model):
 def test_training_defaults_follow_the_kind_and_an_explicit_value_wins():
     from specpipe.distill.config import DISTILL_KIND_DEFAULTS, DistillConfig
 
-    assert DistillConfig(target="t", out="o").lr == DISTILL_KIND_DEFAULTS["model"]["lr"]
-    head = DistillConfig(target="t", out="o", kind="eagle3")
+    assert DistillConfig(target="t", out="o", device="cpu").lr == DISTILL_KIND_DEFAULTS["model"]["lr"]
+    head = DistillConfig(target="t", out="o", kind="eagle3", device="cpu")
     assert (head.lr, head.batch_tokens) == (DISTILL_KIND_DEFAULTS["eagle3"]["lr"], DISTILL_KIND_DEFAULTS["eagle3"]["batch_tokens"])
     assert DistillConfig(target="t", out="o", kind="eagle3", lr=1e-4, batch_tokens=None).lr == 1e-4
+
+
+def test_gpu_runs_default_to_gpu_sized_batches_and_an_explicit_value_wins(monkeypatch):
+    """--device cuda (or auto where torch sees a GPU): the batch sizes the H200 run used; a CPU keeps the CPU ones."""
+    from specpipe.distill import config
+    from specpipe.distill.config import DISTILL_DEVICE_DEFAULTS, DISTILL_KIND_DEFAULTS, DistillConfig
+
+    gpu, cpu = DISTILL_DEVICE_DEFAULTS["cuda"]["eagle3"], DISTILL_DEVICE_DEFAULTS["cpu"]["eagle3"]
+    assert gpu["answer_batch"] > cpu["answer_batch"] and gpu["batch_tokens"] > DISTILL_KIND_DEFAULTS["eagle3"]["batch_tokens"]
+    head = DistillConfig(target="t", out="o", kind="eagle3", device="cuda")
+    assert (head.answer_batch, head.batch_tokens, head.lr) == (gpu["answer_batch"], gpu["batch_tokens"],
+                                                              DISTILL_KIND_DEFAULTS["eagle3"]["lr"])
+    mine = DistillConfig(target="t", out="o", kind="eagle3", device="cuda", answer_batch=8, batch_tokens=512)
+    assert (mine.answer_batch, mine.batch_tokens) == (8, 512)
+    draft = DistillConfig(target="t", out="o", device="cuda")  # the model kind keeps its own step size
+    assert (draft.answer_batch, draft.batch_tokens) == (256, DISTILL_KIND_DEFAULTS["model"]["batch_tokens"])
+    for visible, batch in ((True, gpu["answer_batch"]), (False, cpu["answer_batch"])):  # auto follows torch
+        monkeypatch.setattr(config, "_cuda_visible", lambda: visible)
+        assert DistillConfig(target="t", out="o", kind="eagle3").answer_batch == batch
 
 
 def test_warm_start_passes_the_deepest_feature_through(tiny_model):

@@ -22,6 +22,25 @@ DISTILL_KIND_DEFAULTS: dict[str, dict[str, float]] = {
     "model": {"lr": 1e-3, "batch_tokens": 4096},
     "eagle3": {"lr": 3e-3, "batch_tokens": 1024},
 }
+# Settings whose value differs by where the run goes (the resolved --device), over the kind's. On a GPU, 48 prompts a
+# batch and 1,024-token steps leave it mostly idle; the H200 run (docs/gpu.md) answered 256 prompts at once (4.4k
+# answer tokens/s) and trained an EAGLE-3 head on 4,096-token steps (89k tokens/s, held-out 0.645 at position 1).
+# Those sizes ran there; other sizes were not timed on a GPU.
+DISTILL_DEVICE_DEFAULTS: dict[str, dict[str, dict[str, float]]] = {
+    "cpu": {"model": {"answer_batch": 48}, "eagle3": {"answer_batch": 48}},
+    "cuda": {"model": {"answer_batch": 256}, "eagle3": {"answer_batch": 256, "batch_tokens": 4096}},
+}
+
+
+def _cuda_visible() -> bool:
+    """Whether --device auto will run on CUDA (specpipe.distill.precision.resolve_device's rule)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class DistillConfig(Strict):
@@ -58,7 +77,8 @@ class DistillConfig(Strict):
     )
     prompts: Optional[Path] = Field(None, description='extra training prompts, JSONL lines with {"prompt": ...}')
     max_answer_tokens: int = Field(160, ge=8, description="longest target answer generated for training")
-    answer_batch: int = Field(48, ge=1, description="prompts the target answers at once")
+    answer_batch: Optional[int] = Field(None, ge=1, description="prompts the target answers at once; default by "
+                                        "device: 48 on a CPU, 256 on a GPU")
     sample_temperature: float = Field(0.7, gt=0.0, description="temperature of answers after the greedy first pass")
     teacher_top_k: int = Field(32, ge=1, description="target probabilities kept per position")
     teacher_engine: Literal["auto", "torch", "onnx"] = Field(
@@ -79,7 +99,7 @@ class DistillConfig(Strict):
     lr: Optional[float] = Field(None, gt=0.0, description="peak learning rate (AdamW, cosine over the budget); default "
                                 "by --kind: model 1e-3, eagle3 3e-3")
     batch_tokens: Optional[int] = Field(None, ge=64, description="tokens per training step; default by --kind: model "
-                                        "4096, eagle3 1024")
+                                        "4096, eagle3 1024 (4096 on a GPU)")
     negatives: int = Field(2048, ge=0, description="random vocabulary entries scored with the teacher's top-k each step")
     checkpoint_every: int = Field(50, ge=1, description="steps between saved training states (for --resume)")
     resume: bool = Field(False, description="continue a stopped run from OUT's saved training state")
@@ -111,8 +131,12 @@ class DistillConfig(Strict):
     @classmethod
     def _kind_defaults(cls, values):
         if isinstance(values, dict):
-            unset = {name: value for name, value in DISTILL_KIND_DEFAULTS.get(values.get("kind", "model"), {}).items()
-                     if values.get(name) is None}
+            kind = values.get("kind", "model")
+            device = values.get("device", "auto")
+            if device == "auto":
+                device = "cuda" if _cuda_visible() else "cpu"
+            defaults = {**DISTILL_KIND_DEFAULTS.get(kind, {}), **DISTILL_DEVICE_DEFAULTS.get(device, {}).get(kind, {})}
+            unset = {name: value for name, value in defaults.items() if values.get(name) is None}
             values = {**values, **unset}
         return values
 
