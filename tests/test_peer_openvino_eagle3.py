@@ -115,3 +115,16 @@ def test_openvino_runs_the_deployments_head_reading_its_layers(head_deployment, 
         assert row["matches_target"] == 2, row["mismatches"]  # greedy: OpenVINO's own target alone's tokens
         assert 0.0 <= row["acceptance_rate"] <= 1.0
         assert row["vs_specpipe"] == pytest.approx(row["tokens_per_s"] / rows[f"K={k}"]["tokens_per_s"])
+
+
+def test_an_int4_export_names_a_group_that_divides_the_widths(tmp_path):
+    """NNCF's default group of 128 fails on SmolLM2's 576-wide layers: the export names the largest that divides."""
+    def options(hidden, inter):
+        (tmp_path / "config.json").write_text(json.dumps({"hidden_size": hidden, "intermediate_size": inter}))
+        return ov_peer.export_options(tmp_path, "int4")
+
+    assert options(576, 1536) == ["--group-size", "64"]
+    assert options(4096, 11008) == []  # 128 divides both: NNCF's default stands
+    assert options(608, 1536) == ["--group-size", "32"]
+    assert options(100, 300) == ["--group-size-fallback", "adjust"]
+    assert ov_peer.export_options(tmp_path, "int8") == []

@@ -40,15 +40,31 @@ from specpipe.errors import ExportError
 ADAPTIVE = {"assistant_confidence_threshold": 0.4}
 PROMPT_LOOKUP = {"num_assistant_tokens": 5, "max_ngram_size": 3}
 WEIGHT_FORMAT = {"fp32": "fp32", "int8": "int8", "int4": "int4"}
+INT4_GROUP_SIZES = (128, 64, 32)  # NNCF's default group first
+
+
+def export_options(checkpoint_dir: Path, precision: str) -> list[str]:
+    """int4: NNCF's default group of 128 weights does not divide every model's widths (SmolLM2's 576: the export fails,
+    and optimum-intel 1.27 does not pass --group-size-fallback on to NNCF), so the largest of 128, 64, 32 that divides
+    the hidden and MLP widths is named."""
+    if precision != "int4":
+        return []
+    config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    widths = [int(config[key]) for key in ("hidden_size", "intermediate_size") if key in config]
+    for group in INT4_GROUP_SIZES:
+        if all(width % group == 0 for width in widths):
+            return ["--group-size", str(group)] if group != INT4_GROUP_SIZES[0] else []
+    return ["--group-size-fallback", "adjust"]
 
 
 def export(checkpoint_dir: Path, precision: str) -> Path:
     """optimum-intel's export of a checkpoint (stateful OpenVINO IR with the KV cache, plus its tokenizer), cached."""
-    tool = f"optimum-intel {package_version('optimum-intel')} openvino {package_version('openvino')}"
+    options = export_options(checkpoint_dir, precision)
+    tool = " ".join([f"optimum-intel {package_version('optimum-intel')} openvino {package_version('openvino')}", *options])
 
     def convert(out: Path) -> None:
         run_tool(["-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", str(checkpoint_dir),
-                  "--task", "text-generation-with-past", "--weight-format", WEIGHT_FORMAT[precision], str(out)],
+                  "--task", "text-generation-with-past", "--weight-format", WEIGHT_FORMAT[precision], *options, str(out)],
                  f"optimum-intel's export of {checkpoint_dir} ({precision})")
 
     return cached_conversion("openvino", checkpoint_dir, precision, tool, convert)
