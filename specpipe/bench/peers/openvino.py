@@ -13,7 +13,8 @@ optimum 2.1: the two cannot share one environment, so the head's export runs in 
 `--trust-remote-code` loads optimum-intel's own head class (its `update_config_for_eagle3` points the config's
 auto_map at optimum-intel's model_patcher), not code from the checkpoint. The export leaves the
 head's embedding table at its initial values: OpenVINO GenAI copies the target's into the draft when it loads
-the pair ("Copying embedding weights from main to draft model").
+the pair ("Copying embedding weights from main to draft model"). The head is exported in fp32 at every precision
+(~10M weights: its step is a small share of a target step), so a precision's rows differ only in the target.
 
 Which target layers: GenAI reads `hidden_layers_list` from the draft IR's rt_info, else uses
 {2, N/2, N-3}. It finds layer i's output as the residual Add after the MLP of the nodes named "layers.<i>/"
