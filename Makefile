@@ -33,7 +33,8 @@ install-peers: install
 	$(PIP) install -q torch==2.13.0 -e '.[dev,peers]'
 	test -x $(OV_EXPORT_VENV)/bin/python || $(PYTHON) -m venv $(OV_EXPORT_VENV)
 	$(OV_EXPORT_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(OV_EXPORT_VENV)/bin/python -m pip install -q $$($(PY) -c 'from specpipe.bench.peers.openvino import HEAD_EXPORTER; print(" ".join(repr(p) for p in HEAD_EXPORTER))')
+	$(PY) -c 'from specpipe.bench.peers.openvino import HEAD_EXPORTER; print("\n".join(HEAD_EXPORTER))' \
+		| xargs $(OV_EXPORT_VENV)/bin/python -m pip install -q
 	-CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-1} nice -n 19 $(PIP) install -q torch==2.13.0 -e '.[dev,peers-llamacpp]'
 
 test: install
