@@ -67,6 +67,10 @@ def test_bench_json_has_every_field(engines, capsys, tmp_path):
     limit = results["physical_limit"]
     assert limit["bandwidth_gb_s"] > 0.1 and limit["target_weight_bytes"] > 0
     assert limit["target_floor_ms_per_token"] > 0 and limit["target_measured_ms_per_token"] > 0
+    low, high = limit["bandwidth_gb_s_range"]
+    assert low <= limit["bandwidth_gb_s"] <= high and len(limit["rounds"]) == 8
+    s_low, s_high = limit["target_step_vs_floor_range"]
+    assert 0 < s_low <= limit["target_step_vs_floor"] <= s_high
     assert results["step_costs_ms"]["draft_decode"] > 0
     manifest = json.loads((pair / "manifest.json").read_text())
     assert results["adaptive_costs"] == manifest["step_costs"]
@@ -90,6 +94,28 @@ def test_self_draft_is_always_accepted(engines, capsys):
     generated = sum(m["num_generated"] for m in results["sets"][0]["per_prompt"]["K=3"])
     if generated == 2 * 9:  # no early EOS: 9 tokens = two full 4-token steps + one final step
         assert rows["K=3"]["mean_accepted_len"] == pytest.approx(9 / 3)
+
+
+def test_each_step_is_judged_against_its_own_rounds_bandwidth():
+    """The floor's bandwidth drifts (limits.py): readings alternate between two machine states, 30 and 50 GB/s, and
+    the decode step follows the state it ran in, at 1.2x its floor in both. Paired, every round reads 1.2x; a
+    floor taken once (or from the median) would read 0.9-1.5x."""
+    from specpipe.bench.limits import paired_floor
+
+    weight = 300_000_000  # bytes a token: 10 ms at 30 GB/s, 6 ms at 50
+    states = iter([30e9, 50e9] * 4)
+    current = {}
+
+    def bandwidth() -> float:
+        current["bytes_per_s"] = next(states)
+        return current["bytes_per_s"]
+
+    out = paired_floor(lambda: 1.2 * weight / current["bytes_per_s"] * 1e3, weight, rounds=8, bandwidth=bandwidth)
+    assert [r["bandwidth_gb_s"] for r in out["rounds"]] == [30.0, 50.0] * 4
+    assert out["step_vs_floor"] == pytest.approx(1.2)
+    assert out["step_vs_floor_min"] == pytest.approx(1.2) and out["step_vs_floor_max"] == pytest.approx(1.2)
+    assert (out["bandwidth_gb_s_min"], out["bandwidth_gb_s"], out["bandwidth_gb_s_max"]) == (30.0, 40.0, 50.0)
+    assert out["floor_ms_per_token"] == pytest.approx(7.5)  # at the median bandwidth
 
 
 def test_summary_conventions():

@@ -65,12 +65,18 @@ def print_tables(results: dict, console=None) -> None:
                           f"call (median over prompts): its speedup bound with free verification")
     limit = results["physical_limit"]
     costs = results["step_costs_ms"]
+    low, high = limit.get("bandwidth_gb_s_range") or (limit["bandwidth_gb_s"],) * 2
     console.print(
         f"physical limit: {limit['target_weight_bytes'] / 1e6:.0f} MB of target weights per token / "
-        f"{limit['bandwidth_gb_s']:.1f} GB/s (fp32 matrix-vector) = {limit['target_floor_ms_per_token']:.1f} ms/token floor; "
+        f"{limit['bandwidth_gb_s']:.1f} GB/s (fp32 matrix-vector, median of {len(limit.get('rounds') or [1])} readings, "
+        f"{low:.1f}-{high:.1f}) = {limit['target_floor_ms_per_token']:.1f} ms/token floor; "
         f"measured target-only {_fmt(limit['target_measured_ms_per_token'], '.1f')} ms/token "
-        f"({_fmt(limit['target_measured_vs_floor'], '.1f')}x the floor)"
+        f"({_fmt(limit['target_measured_vs_floor'], '.2f')}x the floor)"
     )
+    if limit.get("target_step_vs_floor") is not None:
+        s_low, s_high = limit["target_step_vs_floor_range"]
+        console.print(f"target engine step, each timed beside a bandwidth reading: {limit['target_step_vs_floor']:.2f}x "
+                      f"its round's floor (rounds {s_low:.2f}-{s_high:.2f})")
     line = f"engine steps (64-token cache): target decode {costs['target_decode']:.1f} ms, verify K=4 " \
            f"{costs['target_verify_k4']:.1f} ms ({costs['verify_k4_vs_decode']:.2f}x)"
     if "draft_decode" in costs:

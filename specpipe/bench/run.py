@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 from specpipe.bench.config import BenchConfig
 from specpipe.bench.harness import BASELINE, PADDED_BASELINE, measurement_dict, run_rows, spec_rows, summarize
-from specpipe.bench.limits import floor_ms_per_token, measure_bandwidth, weight_bytes
+from specpipe.bench.limits import paired_floor, weight_bytes
 from specpipe.bench.peers.common import PRECISION_OF_QUANT
 from specpipe.bench.peers.compare import add_vs_specpipe, check_against_own, own_baseline_label, peer_best
 from specpipe.bench.prompts import load_prompt_sets
@@ -145,23 +145,30 @@ def _copy_ceiling(prompts: list, baseline: list) -> dict:
 
 
 def _physical_limit(deployment, sets: list[dict]) -> dict:
-    """Bytes of target weights per token / measured bandwidth, next to the measured target-only ms/token."""
-    bandwidth = measure_bandwidth()
+    """Bytes of target weights per token / measured bandwidth (limits.py), beside the target's decode: its engine
+    step timed in turns with the bandwidth (each judged against its own round's floor), and the generation's
+    target-only ms/token (the engine plus specpipe's loop) against the floor at the rounds' median bandwidth."""
     target_dir = deployment.folder / deployment.manifest.target.engine.path
+    target_bytes = weight_bytes(target_dir)
+    paired = paired_floor(lambda: step_ms(deployment.target, 1, repeats=10), target_bytes)
     measured = [row["ms_per_token"] for s in sets for row in s["rows"] if row["label"] == BASELINE and row["ms_per_token"]]
-    floor = floor_ms_per_token(target_dir, bandwidth)
+    floor = paired["floor_ms_per_token"]
     out = {
-        "bandwidth_gb_s": bandwidth / 1e9,
-        "target_weight_bytes": weight_bytes(target_dir),
+        "bandwidth_gb_s": paired["bandwidth_gb_s"],
+        "bandwidth_gb_s_range": [paired["bandwidth_gb_s_min"], paired["bandwidth_gb_s_max"]],
+        "target_weight_bytes": target_bytes,
         "target_floor_ms_per_token": floor,
         "target_measured_ms_per_token": min(measured) if measured else None,
+        "target_step_vs_floor": paired["step_vs_floor"],
+        "target_step_vs_floor_range": [paired["step_vs_floor_min"], paired["step_vs_floor_max"]],
+        "rounds": paired["rounds"],
     }
     out["target_measured_vs_floor"] = out["target_measured_ms_per_token"] / floor if measured and floor else None
     draft = deployment.manifest.draft
     if draft.kind == "model":
-        draft_dir = deployment.folder / draft.engine.path
-        out["draft_weight_bytes"] = weight_bytes(draft_dir)
-        out["draft_floor_ms_per_token"] = floor_ms_per_token(draft_dir, bandwidth)
+        draft_bytes = weight_bytes(deployment.folder / draft.engine.path)
+        out["draft_weight_bytes"] = draft_bytes
+        out["draft_floor_ms_per_token"] = draft_bytes / (paired["bandwidth_gb_s"] * 1e9) * 1e3
     return out
 
 
