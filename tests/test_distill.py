@@ -398,3 +398,18 @@ def test_a_work_budget_lets_training_use_the_time_the_answers_left():
     assert work.train_budget_s(900.0) == pytest.approx(18 * 60 * 0.4)  # they overran: training keeps its share
     timed = DistillConfig(target="t", out="o", kind="eagle3", minutes=18)
     assert timed.train_budget_s(240.0) == pytest.approx(18 * 60 * 0.4)
+
+
+def test_the_learning_rate_anneals_by_whichever_budget_ends_first():
+    """With a work budget (--train-tokens) and the time cap, the cosine follows whichever is further along: a run the
+    cap stops at half its tokens still ends at the low rate (it used to stop at half the peak), and a fast machine
+    that spends its tokens first is scheduled by them alone, as before."""
+    from specpipe.distill.train import FINAL_LR_FRACTION, WARMUP_STEPS, TrainState, lr_at
+
+    peak = 3e-3
+    capped = TrainState(step=500, elapsed_s=437.0, tokens_seen=452_000)  # the Zen 3 demo: the cap hit at 452k of 900k
+    assert lr_at(capped, 437.0, peak, 900_000) == pytest.approx(peak * FINAL_LR_FRACTION)
+    fast = TrainState(step=500, elapsed_s=43.7, tokens_seen=450_000)  # half the tokens in a tenth of the cap
+    assert lr_at(fast, 437.0, peak, 900_000) == pytest.approx(peak * (FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) / 2))
+    assert lr_at(TrainState(step=500, elapsed_s=218.5), 437.0, peak) == lr_at(fast, 437.0, peak, 900_000)  # time only
+    assert lr_at(TrainState(step=0), 437.0, peak, 900_000) == pytest.approx(peak / WARMUP_STEPS)
