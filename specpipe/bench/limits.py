@@ -72,8 +72,9 @@ def _typed_bytes(init) -> int:
     return count * np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
 
 
-def floor_ms_per_token(engine_dir: Path, bandwidth_bytes_per_s: float) -> float:
-    return weight_bytes(engine_dir) / bandwidth_bytes_per_s * 1e3
+def floor_ms(weight_bytes_per_token: int, bandwidth_bytes_per_s: float) -> float:
+    """The fastest a decode step reading `weight_bytes_per_token` can be at this bandwidth."""
+    return weight_bytes_per_token / bandwidth_bytes_per_s * 1e3
 
 
 def paired_floor(step_ms: Callable[[], float], weight_bytes_per_token: int, rounds: int = 8,
@@ -89,7 +90,7 @@ def paired_floor(step_ms: Callable[[], float], weight_bytes_per_token: int, roun
     for _ in range(rounds):
         bytes_per_s = bandwidth()
         ms = step_ms()
-        floor = weight_bytes_per_token / bytes_per_s * 1e3
+        floor = floor_ms(weight_bytes_per_token, bytes_per_s)
         turns.append({"bandwidth_gb_s": bytes_per_s / 1e9, "floor_ms": floor, "step_ms": ms, "step_vs_floor": ms / floor})
     gbs = [t["bandwidth_gb_s"] for t in turns]
     ratios = [t["step_vs_floor"] for t in turns]
@@ -99,7 +100,7 @@ def paired_floor(step_ms: Callable[[], float], weight_bytes_per_token: int, roun
         "bandwidth_gb_s": median_gbs,
         "bandwidth_gb_s_min": min(gbs),
         "bandwidth_gb_s_max": max(gbs),
-        "floor_ms_per_token": weight_bytes_per_token / (median_gbs * 1e9) * 1e3,
+        "floor_ms_per_token": floor_ms(weight_bytes_per_token, median_gbs * 1e9),
         "step_vs_floor": statistics.median(ratios),
         "step_vs_floor_min": min(ratios),
         "step_vs_floor_max": max(ratios),

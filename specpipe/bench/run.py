@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 from specpipe.bench.config import BenchConfig
 from specpipe.bench.harness import BASELINE, PADDED_BASELINE, measurement_dict, run_rows, spec_rows, summarize
-from specpipe.bench.limits import paired_floor, weight_bytes
+from specpipe.bench.limits import floor_ms, paired_floor, weight_bytes
 from specpipe.bench.peers.common import PRECISION_OF_QUANT
 from specpipe.bench.peers.compare import add_vs_specpipe, check_against_own, own_baseline_label, peer_best
 from specpipe.bench.prompts import load_prompt_sets
@@ -168,7 +168,7 @@ def _physical_limit(deployment, sets: list[dict]) -> dict:
     if draft.kind == "model":
         draft_bytes = weight_bytes(deployment.folder / draft.engine.path)
         out["draft_weight_bytes"] = draft_bytes
-        out["draft_floor_ms_per_token"] = draft_bytes / (paired["bandwidth_gb_s"] * 1e9) * 1e3
+        out["draft_floor_ms_per_token"] = floor_ms(draft_bytes, paired["bandwidth_gb_s"] * 1e9)
     return out
 
 
