@@ -275,9 +275,9 @@ SAMPLED = GenerationConfig(max_new_tokens=4, num_draft_tokens=2, draft_length="f
                            sampling=SamplingConfig(temperature=1.0))
 
 
-def first_three(decoder, seed: int) -> list[int]:
+def first_three(decoder, seed: int, context=CONTEXT) -> list[int]:
     emitted: list[int] = []
-    steps = decoder.decode(CONTEXT, SAMPLED.model_copy(update={"seed": seed}), SpecStats())
+    steps = decoder.decode(context, SAMPLED.model_copy(update={"seed": seed}), SpecStats())
     for tokens in steps:
         emitted += tokens
         if len(emitted) >= 3:
@@ -286,11 +286,11 @@ def first_three(decoder, seed: int) -> list[int]:
     return emitted[:3]
 
 
-def second_and_third_pvalues(target, drafter) -> tuple[float, float, int]:
+def second_and_third_pvalues(target, drafter, context=CONTEXT) -> tuple[float, float, int]:
     """p-values of token 2 given the commonest token 1, and of token 3 given the commonest (1, 2), against the
     target's exact probabilities."""
     decoder = SpeculativeDecoder(target, drafter)
-    runs = np.array([first_three(decoder, seed) for seed in range(RUNS)])
+    runs = np.array([first_three(decoder, seed, context) for seed in range(RUNS)])
     vocab = target.vocab_size
 
     def p_value(rows: np.ndarray, context: list[int]) -> float:
@@ -301,8 +301,8 @@ def second_and_third_pvalues(target, drafter) -> tuple[float, float, int]:
     given_first = runs[runs[:, 0] == first]
     second = np.bincount(given_first[:, 1]).argmax()
     given_two = given_first[given_first[:, 1] == second]
-    return (p_value(given_first[:, 1], CONTEXT + [int(first)]),
-            p_value(given_two[:, 2], CONTEXT + [int(first), int(second)]), len(given_two))
+    return (p_value(given_first[:, 1], list(context) + [int(first)]),
+            p_value(given_two[:, 2], list(context) + [int(first), int(second)]), len(given_two))
 
 
 def test_sampling_keeps_the_target_distribution(target, good):
@@ -326,6 +326,103 @@ class MisplacedQSession(Eagle3DraftSession):
 
 def test_chi_square_catches_a_misplaced_q(markov, target, good):
     p_second, p_third, _ = second_and_third_pvalues(target, drafter_for(markov, target, good.head.folder, MisplacedQSession))
+    assert min(p_second, p_third) < 0.001
+
+
+# --- prompt lookup drafts where the head is unsure (speculative/eagle3.py LOOKUP_BELOW) ---
+
+
+def cycle_prompt(markov) -> list[int]:
+    """x, perm(x), perm^2(x), perm^3(x), x, perm(x): after the target's greedy perm^2(x) the context's last two tokens
+    occurred before, so prompt lookup copies perm^3(x) (the target's next: accepted) and then x (rejected)."""
+    x = int(markov.regular[10])
+    chain = [x]
+    for _ in range(3):
+        chain.append(int(markov.perm[chain[-1]]))
+    return chain + chain[:2]
+
+
+class RecordingSession(Eagle3DraftSession):
+    def propose(self, context, k, sampling, rng):
+        proposal = super().propose(context, k, sampling, rng)
+        self.proposals = getattr(self, "proposals", []) + [(list(context), k, proposal.tokens, self.looked_up)]
+        return proposal
+
+
+def lookup_drafter(markov, target, good, below: float, session_class=RecordingSession) -> Eagle3Drafter:
+    drafter = drafter_for(markov, target, good.head.folder, session_class)
+    drafter.lookup_below = below
+    sessions = []
+    make = drafter.new_request
+    drafter.new_request = lambda cfg=None: sessions.append(make(cfg)) or sessions[-1]
+    drafter.sessions = sessions
+    return drafter
+
+
+def test_where_the_head_is_unsure_prompt_lookup_drafts_and_stays_lossless(markov, target, good):
+    """Under the threshold (here 1.0: always) a step whose context has a match drafts the lookup's copy, at most
+    LOOKUP_MAX_TOKENS of it; at 0 never. Greedy output is the target's either way."""
+    from specpipe.speculative.eagle3 import LOOKUP_MAX_TOKENS
+    from specpipe.speculative.ngram import NgramDrafter
+
+    prompts = [cycle_prompt(markov)] + PROMPTS
+    alone = SpeculativeDecoder(target, None)
+    for below, k in [(1.0, 3), (1.0, 6), (0.0, 3)]:
+        drafter = lookup_drafter(markov, target, good, below)
+        for prompt in prompts:
+            spec, stats = greedy(SpeculativeDecoder(target, drafter), prompt, k)
+            base, _ = greedy(alone, prompt, k, speculative=False)
+            divergence = compare_greedy(target, prompt, spec, base, near_tie_tolerance("none"))
+            assert divergence is None or divergence.near_tie, divergence
+        steps = [step for session in drafter.sessions for step in session.proposals]
+        looked_up = [(context, asked, tokens) for (context, asked, tokens, n), (_, _, _, before)
+                     in zip(steps[1:], steps) if n > before]
+        if below == 0.0:
+            assert not looked_up and all(session.looked_up == 0 for session in drafter.sessions)
+            continue
+        assert looked_up  # the cycle prompt's second step at least
+        for context, asked, tokens in looked_up:
+            copied = NgramDrafter().new_request().propose(context, min(asked, LOOKUP_MAX_TOKENS), SAMPLED.sampling,
+                                                          np.random.default_rng(0))
+            assert tokens == copied.tokens and len(tokens) <= LOOKUP_MAX_TOKENS
+    first = drafter_for(markov, target, good.head.folder, RecordingSession)
+    first.lookup_below = 1.0
+    session = first.new_request(GenerationConfig())
+    cycle = cycle_prompt(markov)
+    greedy_next = int(markov.perm[cycle[-1]])
+    row = target.new_sequence()
+    row.keep_features()
+    row.append(cycle)
+    session.observe_features(0, row.features)
+    proposal = session.propose(cycle + [greedy_next], 2, SAMPLED.sampling, np.random.default_rng(0))
+    assert proposal.tokens == [int(markov.perm[greedy_next]), cycle[0]] and proposal.probs is None
+
+
+def test_lookup_drafts_keep_the_target_distribution(markov, target, good):
+    """Sampling with the lookup drafting every step it can: tokens 2 and 3 (the step the cycle prompt's copy
+    drafts) follow the target's probabilities."""
+    drafter = lookup_drafter(markov, target, good, 1.0)
+    p_second, p_third, n_third = second_and_third_pvalues(target, drafter, cycle_prompt(markov))
+    assert sum(session.looked_up for session in drafter.sessions) > RUNS / 2
+    assert n_third > 1000 and p_second > 0.001 and p_third > 0.001
+
+
+class CopiedWithHeadsQSession(Eagle3DraftSession):
+    """Planted bug: a copied draft carries a sampled draft's q (here uniform over the vocabulary) instead of point
+    masses, so the rule accepts a copied token with min(1, p / q) against the wrong q."""
+
+    def propose(self, context, k, sampling, rng):
+        before = self.looked_up
+        proposal = super().propose(context, k, sampling, rng)
+        if self.looked_up > before and not sampling.greedy:
+            vocab = self.drafter.target_vocab_size
+            proposal.probs = np.full((len(proposal.tokens), vocab), 1.0 / vocab)
+        return proposal
+
+
+def test_chi_square_catches_a_copied_draft_with_the_wrong_q(markov, target, good):
+    drafter = lookup_drafter(markov, target, good, 1.0, CopiedWithHeadsQSession)
+    p_second, p_third, _ = second_and_third_pvalues(target, drafter, cycle_prompt(markov))
     assert min(p_second, p_third) < 0.001
 
 

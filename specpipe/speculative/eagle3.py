@@ -15,6 +15,12 @@ prefill, as in target-only decoding.
 
 q over the target's vocabulary: the head's softmax placed on its draft tokens (column d = target token
 d + d2t[d]), 0 for every token outside its draft vocabulary, so the acceptance rule stays exact under sampling.
+
+Where the head is unsure of x_1 (its top probability under `lookup_below`) and the context has a match, prompt
+lookup (ngram.py) drafts the step instead: up to LOOKUP_MAX_TOKENS tokens copied from the context, point masses
+(q = 1 on each), so the rule stays exact; the choice reads only the context, never the target. The head is
+calibrated (its top probability ~ how often its x_1 is the target's), while a lookup match is right about as often
+whatever the head thinks, so below the threshold the copy is the better draft (docs/eagle3-decoding.md).
 """
 
 from __future__ import annotations
@@ -27,12 +33,20 @@ from specpipe.contract.costs import DEFAULT_VERIFY_PER_TOKEN, StepCosts
 from specpipe.contract.generation import GenerationConfig, SamplingConfig
 from specpipe.speculative.adaptive import draft_confidence_floor
 from specpipe.speculative.drafters import Drafter, DraftSession, Proposal, _Drafted, _top_probability
+from specpipe.speculative.ngram import NgramDrafter
 from specpipe.speculative.sampling import sample, shape_probs
 
 # One head step against one target step, when none was measured for the engines at hand: SmolLM2-135M's head
 # (35 MB of fp32 matrices against the target's 540 MB) measured 0.068 of an fp32 target step on a 2-core CPU, less
 # with its matrices in bf16 (docs/eagle3-decoding.md).
 DEFAULT_HEAD_DRAFT_COST = 0.05
+
+# Prompt lookup drafts a step where the head's top probability for x_1 is under this, and copies at most this many
+# tokens. Measured on the 12 packaged code prompts with the fresh demo's head (AVX2 Zen 3, docs/eagle3-decoding.md):
+# the head's x_1 was right 0.03-0.31 of the time where its top probability was under 0.4, a lookup match 0.44-0.68
+# in the same places, and both ~0.4-0.5 between 0.4 and 0.5.
+LOOKUP_BELOW = 0.4
+LOOKUP_MAX_TOKENS = 4
 
 
 class Eagle3Drafter(Drafter):
@@ -42,9 +56,13 @@ class Eagle3Drafter(Drafter):
     name = "eagle3"
     reads_features = True
 
-    def __init__(self, head, target_vocab_size: int):
+    def __init__(self, head, target_vocab_size: int, *, lookup: Optional[NgramDrafter] = None,
+                 lookup_below: float = LOOKUP_BELOW):
         self.head = head
         self.target_vocab_size = target_vocab_size
+        # prompt lookup where the head is unsure (module docstring); lookup_below = 0 turns it off
+        self.lookup = lookup if lookup is not None else NgramDrafter()
+        self.lookup_below = lookup_below
 
     def new_request(self, cfg: Optional[GenerationConfig] = None) -> "Eagle3DraftSession":
         return Eagle3DraftSession(self, cfg or GenerationConfig())
@@ -62,6 +80,8 @@ class Eagle3DraftSession(DraftSession):
         self.features = np.zeros((0, self.head.feature_width), np.float32)  # target features of positions...
         self.features_from = 0  # ...features_from, features_from + 1, ... not yet in the cache
         self.min_confidence = draft_confidence_floor(cfg)  # as ModelDraftSession: stop after an unsure token
+        self.lookup = drafter.lookup.new_request(cfg) if drafter.lookup_below > 0 else None
+        self.looked_up = 0  # steps prompt lookup drafted (the head was unsure and the context had a match)
 
     def observe_features(self, first_position: int, features: np.ndarray) -> None:
         """features [n, F]: the target's features of positions first_position .. first_position + n - 1, all of
@@ -83,6 +103,11 @@ class Eagle3DraftSession(DraftSession):
         new = self.features[rows - self.features_from : last_row + 1 - self.features_from]
         logits, state = self.head.context_rows(self.cache, context[rows + 1 : last_row + 2], new)
         self.features, self.features_from = self.features[last_row + 1 - self.features_from :], last_row + 1
+        if self.lookup is not None and _top_probability(logits) < self.drafter.lookup_below:
+            copied = self.lookup.propose(context, min(k, LOOKUP_MAX_TOKENS), sampling, rng)
+            if copied.tokens:
+                self.looked_up += 1
+                return copied  # point masses; the cache holds the context rows only, as after a head draft
         draft = _Drafted()
         for _ in range(k):
             draft.add(*self.pick(logits, sampling, rng))
