@@ -49,7 +49,7 @@ def test_bench_json_has_every_field(engines, capsys, tmp_path):
                           "hf prompt-lookup"]
         for row in prompt_set["rows"]:
             for key in ("tokens_per_s", "ttft_ms", "acceptance_rate", "mean_accepted_len", "speedup", "ms_per_token",
-                        "matches_target", "prompts"):
+                        "matches_target", "prompts", "copied_share", "copied_acceptance"):
                 assert key in row
             assert row["tokens_per_s"] > 0 and row["ttft_ms"] > 0 and row["prompts"] == 2
         rows = {row["label"]: row for row in prompt_set["rows"]}
@@ -57,6 +57,7 @@ def test_bench_json_has_every_field(engines, capsys, tmp_path):
         # Greedy speculative decoding is lossless: every speculative row reproduces the target's tokens.
         assert all(rows[label]["matches_target"] == 2 for label in ("K=1", "K=2", "adaptive"))
         assert 0.0 <= rows["K=2"]["acceptance_rate"] <= 1.0
+        assert rows["K=2"]["copied_share"] == 0.0  # a model draft: prompt lookup copies inside a head's steps only
         assert 1.0 <= rows["K=2"]["mean_accepted_len"] <= 3.0
         assert rows["hf assisted"]["acceptance_rate"] is None  # transformers does not report it
         assert len(prompt_set["per_prompt"]["K=1"]) == 2

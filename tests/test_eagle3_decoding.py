@@ -369,11 +369,16 @@ def test_where_the_head_is_unsure_prompt_lookup_drafts_and_stays_lossless(markov
     alone = SpeculativeDecoder(target, None)
     for below, k in [(1.0, 3), (1.0, 6), (0.0, 3)]:
         drafter = lookup_drafter(markov, target, good, below)
+        copied = []
         for prompt in prompts:
             spec, stats = greedy(SpeculativeDecoder(target, drafter), prompt, k)
             base, _ = greedy(alone, prompt, k, speculative=False)
             divergence = compare_greedy(target, prompt, spec, base, near_tie_tolerance("none"))
             assert divergence is None or divergence.near_tie, divergence
+            copied.append(stats)
+        # the generation's counters (SpecStats.copied_*) count exactly the copied steps
+        assert sum(s.copied_steps for s in copied) == sum(session.looked_up for session in drafter.sessions)
+        assert all(s.copied_accepted <= s.copied_drafted <= s.drafted for s in copied)
         steps = [step for session in drafter.sessions for step in session.proposals]
         looked_up = [(context, asked, tokens) for (context, asked, tokens, n), (_, _, _, before)
                      in zip(steps[1:], steps) if n > before]

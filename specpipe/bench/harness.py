@@ -49,6 +49,8 @@ class Measurement:
     token_ids: list[int] = field(default_factory=list, repr=False)
     drafted_at: Optional[list[int]] = None  # per draft position: blocks that drafted it (SpecStats)
     accepted_at: Optional[list[int]] = None  # ... and that accepted it
+    copied_drafted: int = 0  # drafted tokens prompt lookup copied where the head was unsure (SpecStats.copied_*)
+    copied_accepted: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,6 +91,7 @@ class SpecRow:
             drafted=stats.drafted, accepted=stats.accepted, steps=stats.steps, emitted=stats.emitted,
             draft_ms=stats.draft_s * 1e3, target_ms=stats.target_s * 1e3, token_ids=list(result.token_ids),
             drafted_at=list(stats.drafted_at), accepted_at=list(stats.accepted_at),
+            copied_drafted=stats.copied_drafted, copied_accepted=stats.copied_accepted,
         )
 
 
@@ -135,6 +138,10 @@ def summarize(label: str, kind: str, k: Optional[int], runs: list[Measurement], 
         "mean_accepted_len": (sum(m.emitted or 0 for m in runs) / steps if steps else None) if has_stats else None,
         "draft_ms_share": _share(runs),
         "acceptance_by_position": _by_position(runs),
+        # of the drafted tokens, those prompt lookup copied inside a head's steps, and their acceptance
+        "copied_share": sum(m.copied_drafted for m in runs) / drafted if drafted else None,
+        "copied_acceptance": (sum(m.copied_accepted for m in runs) / sum(m.copied_drafted for m in runs)
+                              if any(m.copied_drafted for m in runs) else None),
         "speedup": None,
         "speedup_per_prompt_median": None,
         "matches_target": None,

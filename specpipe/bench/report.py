@@ -59,6 +59,11 @@ def print_tables(results: dict, console=None) -> None:
                 where = ", ".join(f"{m['prompt_id']} at token {m['first_difference_at']}" for m in row["mismatches"][:4])
                 console.print(f"[red]MISMATCH[/] {escape(row['label'])}: {len(row['mismatches'])}/{row['prompts']} prompts "
                               f"differ from {escape(row['peer'])} target-only ({escape(where)})")
+        copied = [row for row in s["rows"] if row.get("copied_share")]
+        if copied:
+            console.print("copied by prompt lookup where the head was unsure (share of drafted tokens, their acceptance): "
+                          + ", ".join(f"{escape(row['label'])} {100 * row['copied_share']:.0f}% "
+                                      f"{_fmt(row['copied_acceptance'], '.2f')}" for row in copied))
         ceiling = (s.get("copy_ceiling") or {}).get("tokens_per_call_median")
         if ceiling is not None:
             console.print(f"copy ceiling: the best possible prompt-lookup drafter emits {ceiling:.2f} tokens per target "

@@ -29,6 +29,7 @@ from specpipe.speculative.sampling import sample, shape_probs
 class Proposal:
     tokens: list[int]  # [k] drafted token ids, k <= the k asked for (0 = draft nothing this step)
     probs: Optional[np.ndarray] = None  # [k, V_target] the q each token was drawn from; None = point masses
+    copied: bool = False  # copied by prompt lookup where an EAGLE-3 head was unsure (speculative/eagle3.py)
 
     @classmethod
     def empty(cls) -> "Proposal":

@@ -107,6 +107,7 @@ class Eagle3DraftSession(DraftSession):
             copied = self.lookup.propose(context, min(k, LOOKUP_MAX_TOKENS), sampling, rng)
             if copied.tokens:
                 self.looked_up += 1
+                copied.copied = True
                 return copied  # point masses; the cache holds the context rows only, as after a head draft
         draft = _Drafted()
         for _ in range(k):

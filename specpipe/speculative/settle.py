@@ -90,7 +90,7 @@ def settle(request: RequestState, proposal: Proposal, target_logits: np.ndarray,
         emitted = cut_at_eos(emitted, request.eos_token_ids)
     emitted = emitted[: request.cfg.max_new_tokens - request.produced]  # at least one: room() >= 0 before a step
     request.hit_eos = request.cfg.stop_on_eos and emitted[-1] in request.eos_token_ids
-    request.stats.record(len(proposal.tokens), verdict.accepted_len, len(emitted))
+    request.stats.record(len(proposal.tokens), verdict.accepted_len, len(emitted), copied=proposal.copied)
     request.stats.draft_s += draft_s
     request.stats.target_s += target_s
     request.row.truncate(len(request.context) + verdict.accepted_len)

@@ -2,6 +2,8 @@
 
 - drafted: tokens the draft proposed; accepted: drafted tokens the target accepted.
 - acceptance_rate = accepted / drafted (0 when nothing was drafted).
+- copied_*: the steps, drafted and accepted tokens that prompt lookup drafted inside an EAGLE-3 head's steps (where
+  the head was unsure, speculative/eagle3.py); they are counted in drafted and accepted too.
 - per-position acceptance: for position i (0-based) of a draft block, accepted_at[i] / drafted_at[i];
   a position counts as drafted whenever the draft proposed at least i+1 tokens that step.
 - mean_accepted_len = tokens emitted per target verification step, **including** the one recovered or
@@ -25,12 +27,19 @@ class SpecStats:
     accepted_at: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     target_s: float = 0.0
+    copied_steps: int = 0
+    copied_drafted: int = 0
+    copied_accepted: int = 0
 
-    def record(self, num_drafted: int, accepted_len: int, num_emitted: int) -> None:
+    def record(self, num_drafted: int, accepted_len: int, num_emitted: int, copied: bool = False) -> None:
         self.steps += 1
         self.drafted += num_drafted
         self.accepted += accepted_len
         self.emitted += num_emitted
+        if copied:
+            self.copied_steps += 1
+            self.copied_drafted += num_drafted
+            self.copied_accepted += accepted_len
         while len(self.drafted_at) < num_drafted:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
@@ -58,6 +67,9 @@ class SpecStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_len": self.mean_accepted_len,
             "per_position_acceptance": self.per_position_acceptance,
+            "copied_steps": self.copied_steps,
+            "copied_drafted": self.copied_drafted,
+            "copied_accepted": self.copied_accepted,
             "draft_ms": self.draft_s * 1e3,
             "target_ms": self.target_s * 1e3,
         }
