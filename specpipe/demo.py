@@ -155,9 +155,12 @@ def distill_draft(demo: Demo) -> str:
     agreement = (chain.get("conditional") or [None])[0] if chain.get("anchors") else record.get("held_out_agreement")
     what = (f"EAGLE-3 head reading target layers {record['draft']['feature_layers']}" if record.get("kind") == "eagle3"
             else f"{record['draft']['layers']}-layer draft, width {record['draft']['width']}")
+    lookup = record.get("held_out_chain_with_lookup") or {}
+    with_lookup = (f" ({lookup['conditional'][0]:.0%} with prompt lookup where the head is unsure)"
+                   if lookup.get("anchors") else "")
     return (f"{verb} {what} ({out}): {record['data']['answer_tokens']:,} answer tokens, "
             f"{record['training']['tokens_seen']:,} training tokens"
-            + (f", accepted at {agreement:.0%} of held-out answer positions" if agreement is not None else ""))
+            + (f", accepted at {agreement:.0%} of held-out answer positions{with_lookup}" if agreement is not None else ""))
 
 
 def build_engines(demo: Demo) -> str:

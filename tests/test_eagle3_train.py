@@ -113,6 +113,34 @@ def test_head_chain_hits_read_the_unrolled_step_of_the_row_before(tiny_model):
     assert hits.tolist() == expected and bool(hits[0].all())
 
 
+def test_head_chain_hits_with_lookup_take_the_copy_where_the_head_is_unsure(tiny_model):
+    """As the decoder drafts (speculative/eagle3.py): an anchor where the head's top probability is under the threshold
+    and prompt lookup matches the tokens so far takes the copy's hits at every position; elsewhere the head's. The
+    answer repeats itself from token 20 on (ids[k] = ids[k-14]) and the target's greedy token is the next one, so
+    there every copy is right."""
+    from specpipe.distill.acceptance import head_chain_hits
+    from specpipe.distill.eagle3 import make_head
+    from specpipe.speculative.ngram import NgramDrafter
+
+    head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64), warm_start=True, seed=0)
+    seq = _prompted(40, 6, tiny_model.config.hidden_size, 5)
+    for k in range(20, len(seq)):
+        seq.token_ids[k] = seq.token_ids[k - 14]
+    seq.top_ids[:, 0] = seq.token_ids[1:].int()
+    alone = head_chain_hits(head, [seq]).hits
+    assert torch.equal(head_chain_hits(head, [seq], lookup_below=1e-9).hits, alone)  # never unsure: the head's
+    looked = head_chain_hits(head, [seq], lookup_below=1.0).hits  # always unsure: the copy wherever there is one
+    ids = seq.token_ids.tolist()
+    for a in range(looked.shape[1]):
+        r = 5 + a  # teacher row r scores token r + 1; the context is ids[: r + 1]
+        copy = NgramDrafter().new_request().propose(ids[: r + 1], 3, None, None).tokens
+        expected = [k < len(copy) and copy[k] == ids[r + 1 + k] for k in range(3)] if copy else alone[:, a].tolist()
+        assert looked[:, a].tolist() == expected, a
+        if r >= 22:
+            assert bool(looked[:, a].all()), (a, copy)
+    assert head_chain_hits(head, [seq], lookup_below=1.0).summary()["conditional"][0] > alone.float().mean(1)[0]
+
+
 def test_training_defaults_follow_the_kind_and_an_explicit_value_wins():
     from specpipe.distill.config import DISTILL_KIND_DEFAULTS, DistillConfig
 

@@ -8,6 +8,9 @@ target's distribution over token a+1 is position 1's). Summaries:
     conditional[k]  the same among anchors whose positions 1..k-1 were all right: the acceptance of position k in a
                     chain, what speculative decoding sees;
     accepted_len    expected accepted drafted tokens per verify at K = positions (bonus token excluded).
+With `lookup_below` (a head only), an anchor where the head's top probability at position 1 is under it and prompt
+lookup finds a match in the tokens so far is drafted as the decoder drafts it (speculative/eagle3.py): positions 1..
+are the lookup's copy (at most LOOKUP_MAX_TOKENS of them; a position past the copy is a miss).
 A model draft reads only tokens, so with the true tokens fed in, its agreement at position k is its position-1
 agreement at a later row (its conditional acceptance still differs: a chain that got this far is on easier text);
 a head drafts positions k > 1 from its own states, so its later positions can be worse than its first.
@@ -76,9 +79,13 @@ def model_chain_hits(student, sequences: list[TeacherSequence], positions: int =
 
 
 @torch.inference_mode()
-def head_chain_hits(head, sequences: list[TeacherSequence], positions: int = POSITIONS) -> ChainHits:
-    """An EAGLE-3 head: position k from anchor r is unrolled step k-1 of head row r-1 (eagle3.py's indexing)."""
+def head_chain_hits(head, sequences: list[TeacherSequence], positions: int = POSITIONS,
+                    lookup_below: float = 0.0) -> ChainHits:
+    """An EAGLE-3 head: position k from anchor r is unrolled step k-1 of head row r-1 (eagle3.py's indexing).
+    `lookup_below` > 0: prompt lookup drafts where the head is unsure (module docstring)."""
     from specpipe.distill.eagle3_train import collate_head
+    from specpipe.speculative.eagle3 import LOOKUP_MAX_TOKENS
+    from specpipe.speculative.ngram import NgramDrafter
 
     head.eval()
     device = head.d2t.device
@@ -90,9 +97,18 @@ def head_chain_hits(head, sequences: list[TeacherSequence], positions: int = POS
         features, tokens, valid, top_ids, _, _ = (t.to(device) for t in collate_head([seq], 0, positions))
         states = head.unrolled(features, tokens, valid, positions)
         rows = []
+        target = seq.top_ids[:, 0].long()
         for step, state in enumerate(states):
             predicted = head.draft_to_target(head.logits(state[0]).argmax(-1)).cpu()  # row i -> teacher row i+step+1
-            target = seq.top_ids[:, 0].long()
             rows.append(predicted[first - 1 : last] == target[first + step : last + 1 + step])
-        parts.append(ChainHits(torch.stack(rows)))
+        hits = torch.stack(rows)
+        if lookup_below > 0:
+            unsure = torch.softmax(head.logits(states[0][0]).float(), -1).max(-1).values.cpu()[first - 1 : last] < lookup_below
+            lookup, tokens = NgramDrafter().new_request(), seq.token_ids.tolist()
+            for a in torch.nonzero(unsure).flatten().tolist():
+                r = first + a  # teacher row r scores token r + 1; the context is tokens 0..r
+                copy = lookup.propose(tokens[: r + 1], min(positions, LOOKUP_MAX_TOKENS), None, None).tokens
+                if copy:
+                    hits[:, a] = torch.tensor([k < len(copy) and copy[k] == int(target[r + k]) for k in range(positions)])
+        parts.append(ChainHits(hits))
     return ChainHits.cat(parts, positions)

@@ -46,6 +46,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     from specpipe.distill.verdict import ExportedTargets
     from specpipe.export.features import check_layers, default_layers
     from specpipe.machine import describe_machine
+    from specpipe.speculative.eagle3 import LOOKUP_BELOW
 
     started = time.perf_counter()
     if cfg.data != ["answers"]:
@@ -119,6 +120,9 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
         # The kept weights drafting chains on the held-out answers: per-position acceptance given the earlier
         # positions accepted, and accepted tokens per verify at K=3 (distill/acceptance.py states the conventions).
         "held_out_chain": head_chain_hits(head, held_out).summary() if held_out else None,
+        # ... and as the decoder drafts with it: prompt lookup where the head is unsure (speculative/eagle3.py)
+        "held_out_chain_with_lookup": (head_chain_hits(head, held_out, lookup_below=LOOKUP_BELOW).summary()
+                                       if held_out else None),
         "kept_step": best[1] if best else state.step,
         "held_out_curve": state.evals,
         "device": str(device),
@@ -127,7 +131,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
         "wall_s": round(time.perf_counter() - started, 1),
     }
     head.to("cpu")
-    chain = record["held_out_chain"]
+    chain = record["held_out_chain_with_lookup"]  # what decoding will see
     acceptance = chain["conditional"][0] if chain and chain["anchors"] else record["held_out_agreement"]
 
     def judge(folder: Path) -> None:  # the written head timed as its CPU engine, the target as its ONNX engine
@@ -136,7 +140,8 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
         progress.log("timing the target (ONNX Runtime) and the head (its CPU engine) for the verdict")
         record["verdict"] = {**measured_verdict(acceptance or 0.0, target.path, threads=cfg.threads, head=folder,
                                                 feature_layers=layers, quants=cfg.verdict_quant, targets=targets),
-                             "agreement_on": "held-out answers, position 1" if chain else "no held-out answers"}
+                             "agreement_on": ("held-out answers, position 1, prompt lookup where the head is unsure"
+                                              if chain else "no held-out answers")}
         progress.log(verdict_line(record["verdict"]))
 
     _write_head(head, out, record, before_move=judge)
