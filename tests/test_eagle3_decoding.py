@@ -345,8 +345,12 @@ def cycle_prompt(markov) -> list[int]:
 class RecordingSession(Eagle3DraftSession):
     def propose(self, context, k, sampling, rng):
         proposal = super().propose(context, k, sampling, rng)
-        self.proposals = getattr(self, "proposals", []) + [(list(context), k, proposal.tokens, self.looked_up)]
+        self.proposals = getattr(self, "proposals", []) + [(list(context), k, proposal.tokens, proposal.copied)]
         return proposal
+
+
+def copied_steps(drafter) -> int:
+    return sum(copied for session in drafter.sessions for *_, copied in getattr(session, "proposals", []))
 
 
 def lookup_drafter(markov, target, good, below: float, session_class=RecordingSession) -> Eagle3Drafter:
@@ -377,13 +381,12 @@ def test_where_the_head_is_unsure_prompt_lookup_drafts_and_stays_lossless(markov
             assert divergence is None or divergence.near_tie, divergence
             copied.append(stats)
         # the generation's counters (SpecStats.copied_*) count exactly the copied steps
-        assert sum(s.copied_steps for s in copied) == sum(session.looked_up for session in drafter.sessions)
+        assert sum(s.copied_steps for s in copied) == copied_steps(drafter)
         assert all(s.copied_accepted <= s.copied_drafted <= s.drafted for s in copied)
         steps = [step for session in drafter.sessions for step in session.proposals]
-        looked_up = [(context, asked, tokens) for (context, asked, tokens, n), (_, _, _, before)
-                     in zip(steps[1:], steps) if n > before]
+        looked_up = [(context, asked, tokens) for context, asked, tokens, was_copied in steps if was_copied]
         if below == 0.0:
-            assert not looked_up and all(session.looked_up == 0 for session in drafter.sessions)
+            assert not looked_up
             continue
         assert looked_up  # the cycle prompt's second step at least
         for context, asked, tokens in looked_up:
@@ -408,7 +411,7 @@ def test_lookup_drafts_keep_the_target_distribution(markov, target, good):
     drafts) follow the target's probabilities."""
     drafter = lookup_drafter(markov, target, good, 1.0)
     p_second, p_third, n_third = second_and_third_pvalues(target, drafter, cycle_prompt(markov))
-    assert sum(session.looked_up for session in drafter.sessions) > RUNS / 2
+    assert copied_steps(drafter) > RUNS / 2
     assert n_third > 1000 and p_second > 0.001 and p_third > 0.001
 
 
@@ -417,9 +420,8 @@ class CopiedWithHeadsQSession(Eagle3DraftSession):
     masses, so the rule accepts a copied token with min(1, p / q) against the wrong q."""
 
     def propose(self, context, k, sampling, rng):
-        before = self.looked_up
         proposal = super().propose(context, k, sampling, rng)
-        if self.looked_up > before and not sampling.greedy:
+        if proposal.copied and not sampling.greedy:
             vocab = self.drafter.target_vocab_size
             proposal.probs = np.full((len(proposal.tokens), vocab), 1.0 / vocab)
         return proposal

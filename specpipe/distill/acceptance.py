@@ -99,11 +99,14 @@ def head_chain_hits(head, sequences: list[TeacherSequence], positions: int = POS
         rows = []
         target = seq.top_ids[:, 0].long()
         for step, state in enumerate(states):
-            predicted = head.draft_to_target(head.logits(state[0]).argmax(-1)).cpu()  # row i -> teacher row i+step+1
+            logits = head.logits(state[0])
+            predicted = head.draft_to_target(logits.argmax(-1)).cpu()  # row i -> teacher row i+step+1
             rows.append(predicted[first - 1 : last] == target[first + step : last + 1 + step])
+            if step == 0:
+                first_logits = logits
         hits = torch.stack(rows)
         if lookup_below > 0:
-            unsure = torch.softmax(head.logits(states[0][0]).float(), -1).max(-1).values.cpu()[first - 1 : last] < lookup_below
+            unsure = torch.softmax(first_logits.float(), -1).max(-1).values.cpu()[first - 1 : last] < lookup_below
             lookup, tokens = NgramDrafter().new_request(), seq.token_ids.tolist()
             for a in torch.nonzero(unsure).flatten().tolist():
                 r = first + a  # teacher row r scores token r + 1; the context is tokens 0..r

@@ -81,7 +81,6 @@ class Eagle3DraftSession(DraftSession):
         self.features_from = 0  # ...features_from, features_from + 1, ... not yet in the cache
         self.min_confidence = draft_confidence_floor(cfg)  # as ModelDraftSession: stop after an unsure token
         self.lookup = drafter.lookup.new_request(cfg) if drafter.lookup_below > 0 else None
-        self.looked_up = 0  # steps prompt lookup drafted (the head was unsure and the context had a match)
 
     def observe_features(self, first_position: int, features: np.ndarray) -> None:
         """features [n, F]: the target's features of positions first_position .. first_position + n - 1, all of
@@ -106,7 +105,6 @@ class Eagle3DraftSession(DraftSession):
         if self.lookup is not None and _top_probability(logits) < self.drafter.lookup_below:
             copied = self.lookup.propose(context, min(k, LOOKUP_MAX_TOKENS), sampling, rng)
             if copied.tokens:
-                self.looked_up += 1
                 copied.copied = True
                 return copied  # point masses; the cache holds the context rows only, as after a head draft
         draft = _Drafted()
