@@ -130,6 +130,18 @@ def distill_cap_minutes(spent_minutes: float) -> float:
     return round(max(MIN_DISTILL_MINUTES, min(DISTILL_MINUTES, left)), 2)
 
 
+def _env_minutes(value: str) -> float:
+    from specpipe.errors import UsageError
+
+    try:
+        minutes = float(value)
+    except ValueError:
+        minutes = 0.0
+    if not 0 < minutes < float("inf"):
+        raise UsageError(f"SPECPIPE_DEMO_MINUTES must be a positive number of minutes, not {value!r}")
+    return minutes
+
+
 def demo_distill_config(out: Path, minutes: float = DISTILL_MINUTES) -> DistillConfig:
     return DistillConfig(target=TARGET, out=out, kind=DISTILL_KIND, minutes=minutes, answer_tokens=DISTILL_ANSWER_TOKENS,
                          train_tokens=DISTILL_TRAIN_TOKENS, verdict_quant=list(VERDICT_QUANTS))
@@ -157,7 +169,7 @@ def distill_draft(demo: Demo) -> str:
             resume = (out / STATE_DIR / "state.pt").is_file()
             spent = (time.time() - demo.started) / 60
             if "SPECPIPE_DEMO_MINUTES" in os.environ:
-                minutes = float(os.environ["SPECPIPE_DEMO_MINUTES"])
+                minutes = _env_minutes(os.environ["SPECPIPE_DEMO_MINUTES"])
                 demo.console.print(f"distillation capped at {minutes:g} min (SPECPIPE_DEMO_MINUTES)")
             else:
                 minutes = distill_cap_minutes(spent)

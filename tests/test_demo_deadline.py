@@ -53,3 +53,12 @@ def test_an_explicit_cap_wins(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECPIPE_DEMO_MINUTES", "2.5")
     minutes, text = _asked_cap(monkeypatch, tmp_path, 20.0)
     assert minutes == 2.5 and "SPECPIPE_DEMO_MINUTES" in text
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-3", "nan", "inf"])
+def test_a_bad_explicit_cap_is_a_usage_error(monkeypatch, tmp_path, value):
+    from specpipe.errors import UsageError
+
+    monkeypatch.setenv("SPECPIPE_DEMO_MINUTES", value)
+    with pytest.raises(UsageError, match="SPECPIPE_DEMO_MINUTES must be a positive number"):
+        _asked_cap(monkeypatch, tmp_path, 0.0)
