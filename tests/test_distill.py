@@ -413,3 +413,23 @@ def test_the_learning_rate_anneals_by_whichever_budget_ends_first():
     assert lr_at(fast, 437.0, peak, 900_000) == pytest.approx(peak * (FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) / 2))
     assert lr_at(TrainState(step=500, elapsed_s=218.5), 437.0, peak) == lr_at(fast, 437.0, peak, 900_000)  # time only
     assert lr_at(TrainState(step=0), 437.0, peak, 900_000) == pytest.approx(peak / WARMUP_STEPS)
+
+
+def test_no_verdict_times_no_engine_and_says_so(tiny_target, tmp_path, cache, monkeypatch):
+    """--no-verdict (a machine that will not deploy the draft): no engine is exported or timed, and the record and the
+    printed line say the speedup was not predicted here; the draft is written as usual."""
+    import specpipe.distill.verdict as verdict_module
+    from specpipe.distill import distill
+    from specpipe.distill.verdict import NOT_TIMED, verdict_line
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("timed an engine under --no-verdict")
+
+    monkeypatch.setattr(verdict_module, "measured_verdict", refuse)
+    monkeypatch.setattr(verdict_module, "export_engine", refuse)
+    result = distill(_tiny_cfg(tiny_target, tmp_path / "draft", verdict=False, teacher_engine="torch",
+                               teacher_dtype="float32", train_dtype="float32"))
+    v = result.record["verdict"]
+    assert v["predicted_speedup"] is None and v["cannot_predict"] == NOT_TIMED and 0.0 <= v["agreement"] <= 1.0
+    assert "not timed here" in verdict_line(v) and "build measures it" in verdict_line(v)
+    assert (result.path / "config.json").is_file() and (result.path / "distill.json").is_file()

@@ -370,3 +370,28 @@ def test_cli_distill_kind_eagle3(eight_layer_target, tmp_path, monkeypatch):
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 5] and config["draft_vocab_size"] == 64
     record = json.loads((tmp_path / "head" / "distill.json").read_text())
     assert record["training"]["ttt_steps"] == 2 and record["training"]["warm_start"] is False
+    assert record["verdict"]["predicted_speedup"] is not None  # timed here by default
+
+
+def test_cli_distill_kind_eagle3_no_verdict(eight_layer_target, tmp_path, monkeypatch):
+    """--no-verdict: the head is written, no engine is timed, and the summary says the speedup was not predicted."""
+    from click.testing import CliRunner
+
+    import specpipe.distill.verdict as verdict_module
+    from specpipe.cli import cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("timed an engine under --no-verdict")
+
+    monkeypatch.setattr(verdict_module, "measured_verdict", refuse)
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "cache"))
+    result = CliRunner().invoke(cli, [
+        "distill", "--target", str(eight_layer_target), "--out", str(tmp_path / "head"), "--kind", "eagle3",
+        "--answer-tokens", "300", "--train-tokens", "1500", "--answer-batch", "16", "--max-answer-tokens", "12",
+        "--batch-tokens", "256", "--head-vocab", "64", "--feature-layers", "1,2,5", "--ttt-steps", "2",
+        "--teacher-engine", "torch", "--teacher-dtype", "float32", "--train-dtype", "float32", "--no-verdict"])
+    assert result.exit_code == 0, result.output
+    assert "not timed here (--no-verdict)" in result.output
+    record = json.loads((tmp_path / "head" / "distill.json").read_text())
+    assert record["verdict"]["predicted_speedup"] is None and record["config"]["verdict"] is False
+    assert (tmp_path / "head" / "model.safetensors").is_file()

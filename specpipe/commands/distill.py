@@ -53,6 +53,8 @@ def _option(name: str, **kwargs):
 @click.option("--verdict-quant", multiple=True, type=click.Choice(get_args(VerdictQuant)),
               default=field_default(DistillConfig, "verdict_quant"), show_default=True,
               help=field_help(DistillConfig, "verdict_quant") + " (repeatable)")
+@click.option("--verdict/--no-verdict", default=field_default(DistillConfig, "verdict"), show_default=True,
+              help=field_help(DistillConfig, "verdict"))
 @click.option("--init-head", type=click.Path(path_type=Path), default=None, help=field_help(DistillConfig, "init_head"))
 @click.option("--resume", is_flag=True, help=field_help(DistillConfig, "resume"))
 @click.option("--force", is_flag=True, help=field_help(DistillConfig, "force"))

@@ -109,6 +109,11 @@ class DistillConfig(Strict):
         ["none"], min_length=1, description="target precisions the closing verdict times the target at (build's --quant "
         "modes, none = fp32): a quantized target steps faster, the draft does not; give the ones build will consider"
     )
+    verdict: bool = Field(
+        True, description="close by timing the written draft and the target as ONNX Runtime engines on this machine's "
+        "CPU and predicting the speedup; off on a machine that will not deploy the draft (a GPU trains a head for CPU "
+        "servers): the record then says it cannot predict, and build measures the speedup where it deploys"
+    )
     # ---- --kind: what is trained (specpipe/distill/eagle3.py for eagle3) ----
     kind: Literal["model", "eagle3"] = Field(
         "model", description="model: a small Llama draft (its own layers and embedding); eagle3: an EAGLE-3 head that "

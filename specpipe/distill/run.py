@@ -241,7 +241,7 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
     from specpipe.distill.student import draft_cost_ratio, make_student
     from specpipe.distill.train import Trainer
 
-    from specpipe.distill.verdict import ExportedTargets, measured_verdict, verdict_line
+    from specpipe.distill.verdict import ExportedTargets, measured_verdict, untimed_verdict, verdict_line
     from specpipe.machine import describe_machine
 
     progress = progress or SilentProgress()
@@ -315,10 +315,13 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
     from specpipe.checkpoint.draft_vocab import count_tokens
 
     def judge(folder: Path) -> None:  # the written draft, exported and timed as an engine beside the target
-        progress.log("timing the target and the draft as ONNX Runtime engines for the verdict")
-        record["verdict"] = {**measured_verdict(acceptance, target.path, threads=cfg.threads, draft=folder,
-                                                quants=cfg.verdict_quant, targets=targets),
-                             "agreement_on": measured_on}
+        if cfg.verdict:
+            progress.log("timing the target and the draft as ONNX Runtime engines for the verdict")
+            timed = measured_verdict(acceptance, target.path, threads=cfg.threads, draft=folder,
+                                     quants=cfg.verdict_quant, targets=targets)
+        else:
+            timed = untimed_verdict(acceptance)
+        record["verdict"] = {**timed, "agreement_on": measured_on}
         progress.log(verdict_line(record["verdict"]))
 
     counts = count_tokens(sequences, model.config.vocab_size)  # what the draft learned to predict

@@ -144,6 +144,14 @@ def verdict(agreement: float, costs: StepCosts, *, kind: str = "model", timings:
             "measured_with": MEASURED_WITH.format(quant=QUANT_NAMES.get(quant, quant), draft=draft)}
 
 
+NOT_TIMED = "not timed here (--no-verdict)"
+
+
+def untimed_verdict(agreement: float) -> dict:
+    """The verdict of a run told not to time engines (DistillConfig.verdict off): the agreement, no prediction."""
+    return {"agreement": round(agreement, 4), "predicted_speedup": None, "cannot_predict": NOT_TIMED}
+
+
 def measured_verdict(agreement: float, target: Path, *, threads: int, draft: Optional[Path] = None,
                      head: Optional[Path] = None, feature_layers: Sequence[int] = (),
                      quants: Sequence[str] = ("none",), targets: Optional[ExportedTargets] = None) -> dict:
