@@ -145,6 +145,29 @@ def test_a_second_resolve_reuses_the_conversion(tiny_gguf, cache, monkeypatch):
     assert sorted(p.name for p in (cache / "gguf").iterdir()) == [first.path.name]  # no temp folders left
 
 
+def test_a_conversion_parses_the_gguf_once(tiny_target, tmp_path, cache, monkeypatch):
+    """transformers asks for a reader of the file for the config, the tokenizer and the weights; the conversion
+    parses it once and hands the same reader to each (and the real reader is back afterwards)."""
+    import gguf
+
+    gguf_path = write_llama_gguf(tiny_target, tmp_path / "once.gguf")
+    real, parses = gguf.GGUFReader, []
+
+    def counting(path, mode="r"):
+        parses.append(path)
+        return real(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    folder = convert_gguf(gguf_path)
+    assert (folder / "model.safetensors").is_file()
+    assert len(parses) == 1, parses
+    assert gguf.GGUFReader is counting
+    with gguf_convert.parsed_once():
+        first = gguf.GGUFReader(str(gguf_path))
+        assert gguf.GGUFReader(str(tmp_path / "." / "once.gguf")) is first  # the same file by another spelling
+    assert gguf.GGUFReader is counting and len(parses) == 2
+
+
 def test_a_gguf_without_pad_token_stays_without_one(tiny_target, tmp_path, cache):
     gguf_path = write_llama_gguf(tiny_target, tmp_path / "nopad.gguf", pad=False)
     folder = convert_gguf(gguf_path)
