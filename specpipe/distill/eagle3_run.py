@@ -135,14 +135,14 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     acceptance = chain["conditional"][0] if chain and chain["anchors"] else record["held_out_agreement"]
 
     def judge(folder: Path) -> None:  # the written head timed as its CPU engine, the target as its ONNX engine
-        from specpipe.distill.verdict import measured_verdict, untimed_verdict, verdict_line
+        from specpipe.distill.verdict import measured_verdict, no_prediction, verdict_line
 
         if cfg.verdict:
             progress.log("timing the target (ONNX Runtime) and the head (its CPU engine) for the verdict")
             timed = measured_verdict(acceptance or 0.0, target.path, threads=cfg.threads, head=folder,
                                      feature_layers=layers, quants=cfg.verdict_quant, targets=targets)
         else:
-            timed = untimed_verdict(acceptance or 0.0)
+            timed = no_prediction(acceptance or 0.0)
         record["verdict"] = {**timed,
                              "agreement_on": ("held-out answers, position 1, prompt lookup where the head is unsure"
                                               if chain else "no held-out answers")}

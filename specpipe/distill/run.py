@@ -241,7 +241,7 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
     from specpipe.distill.student import draft_cost_ratio, make_student
     from specpipe.distill.train import Trainer
 
-    from specpipe.distill.verdict import ExportedTargets, measured_verdict, untimed_verdict, verdict_line
+    from specpipe.distill.verdict import ExportedTargets, measured_verdict, no_prediction, verdict_line
     from specpipe.machine import describe_machine
 
     progress = progress or SilentProgress()
@@ -320,7 +320,7 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
             timed = measured_verdict(acceptance, target.path, threads=cfg.threads, draft=folder,
                                      quants=cfg.verdict_quant, targets=targets)
         else:
-            timed = untimed_verdict(acceptance)
+            timed = no_prediction(acceptance)
         record["verdict"] = {**timed, "agreement_on": measured_on}
         progress.log(verdict_line(record["verdict"]))
 

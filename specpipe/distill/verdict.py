@@ -147,9 +147,10 @@ def verdict(agreement: float, costs: StepCosts, *, kind: str = "model", timings:
 NOT_TIMED = "not timed here (--no-verdict)"
 
 
-def untimed_verdict(agreement: float) -> dict:
-    """The verdict of a run told not to time engines (DistillConfig.verdict off): the agreement, no prediction."""
-    return {"agreement": round(agreement, 4), "predicted_speedup": None, "cannot_predict": NOT_TIMED}
+def no_prediction(agreement: float, reason: str = NOT_TIMED) -> dict:
+    """A verdict without a prediction, and why: an engine could not be made, or the run was told not to time engines
+    (DistillConfig.verdict off, the default reason)."""
+    return {"agreement": round(agreement, 4), "predicted_speedup": None, "cannot_predict": reason}
 
 
 def measured_verdict(agreement: float, target: Path, *, threads: int, draft: Optional[Path] = None,
@@ -168,8 +169,7 @@ def measured_verdict(agreement: float, target: Path, *, threads: int, draft: Opt
                                           quant=quant, targets=targets)
         except (SpecpipeError, OSError, ValueError, RuntimeError) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            return {"agreement": round(agreement, 4), "predicted_speedup": None,
-                    "cannot_predict": f"{QUANT_NAMES.get(quant, quant)} target: {reason}"}
+            return no_prediction(agreement, f"{QUANT_NAMES.get(quant, quant)} target: {reason}")
         by_quant[quant] = verdict(agreement, costs, kind="eagle3" if head is not None else "model", timings=timings,
                                   quant=quant)
     least = min(by_quant.values(), key=lambda v: v["predicted_speedup"])
