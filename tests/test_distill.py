@@ -117,7 +117,7 @@ def test_training_learns_from_the_teacher(tiny_target, cache, tmp_path):
                           top_k=16)
     student = make_student(target, layers=1, width=32, seed=0)
     before = agreement(student, data)
-    trainer = Trainer(student, data, budget_s=1e9, lr=3e-3, batch_tokens=512, negatives=64, seed=0,
+    trainer = Trainer(student, data, budget_s=1e9, lr=3e-3, batch_tokens=512, negatives=64, prompt_weight=0.2, seed=0,
                       state_path=tmp_path / "state.pt", checkpoint_every=0)
     losses = [trainer.step()[0] for _ in range(100)]
     assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:10]) / 10
@@ -228,12 +228,12 @@ def test_teacher_data_is_cached_and_restart_continues(tiny_target, cache, tmp_pa
     data = [s for folder in (cache / "distill-data").iterdir() for s in TeacherCache(folder, {}).load()]
     target = load_causal_lm(tiny_target)
     first = Trainer(make_student(target, layers=1, width=32, seed=0), data, budget_s=1e9, lr=1e-3, batch_tokens=256,
-                    negatives=16, seed=0, state_path=tmp_path / "state.pt", checkpoint_every=3)
+                    negatives=16, prompt_weight=0.2, seed=0, state_path=tmp_path / "state.pt", checkpoint_every=3)
     for _ in range(3):
         first.step()
     first.save()
     second = Trainer(make_student(target, layers=1, width=32, seed=1), data, budget_s=1e9, lr=1e-3, batch_tokens=256,
-                     negatives=16, seed=0, state_path=tmp_path / "state.pt", checkpoint_every=3)
+                     negatives=16, prompt_weight=0.2, seed=0, state_path=tmp_path / "state.pt", checkpoint_every=3)
     second.load()
     assert second.state.step == 3
     for a, b in zip(first.student.parameters(), second.student.parameters()):
@@ -278,7 +278,7 @@ def test_resume_continues_a_saved_run(tiny_target, cache, tmp_path):
     data = [s for folder in (cache / "distill-data").iterdir() for s in TeacherCache(folder, {}).load()]
     student = make_student(load_causal_lm(tiny_target), layers=1, width=32, seed=0)
     budget = 0.05 * 60 * 0.5
-    trainer = Trainer(student, data, budget_s=budget, lr=1e-3, batch_tokens=256, negatives=2048, seed=0,
+    trainer = Trainer(student, data, budget_s=budget, lr=1e-3, batch_tokens=256, negatives=2048, prompt_weight=0.2, seed=0,
                       state_path=out / STATE_DIR / "state.pt", checkpoint_every=2)
     trainer.state.step, trainer.state.elapsed_s = 7, budget - 0.5
     trainer.save()

@@ -23,14 +23,14 @@ def _sequence(length: int, top_ids: torch.Tensor, hidden: int, seed: int):
                            prompt_len=0, kind="code", features=torch.randn(length - 1, 3 * hidden, generator=g).half())
 
 
-def _trainer(tiny_model, sequences, tmp_path, vocab_ids):
+def _trainer(tiny_model, sequences, tmp_path, vocab_ids, prompt_weight: float = 1.0):
     from specpipe.distill.eagle3 import make_head
     from specpipe.distill.eagle3_train import HeadTrainer
 
     head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=vocab_ids, warm_start=True, seed=0)
     # negatives >= the draft vocabulary: every draft token is scored, so the loss does not depend on the batch's ids
     return HeadTrainer(head, sequences, steps=2, decay=0.8, budget_s=60, lr=1e-3, batch_tokens=512, negatives=10**6,
-                       seed=0, state_path=tmp_path / "state.pt", checkpoint_every=1000)
+                       prompt_weight=prompt_weight, seed=0, state_path=tmp_path / "state.pt", checkpoint_every=1000)
 
 
 def test_a_position_whose_teacher_tokens_are_all_outside_the_draft_vocabulary_teaches_nothing(tiny_model, tmp_path):
@@ -45,6 +45,37 @@ def test_a_position_whose_teacher_tokens_are_all_outside_the_draft_vocabulary_te
     both, _, _ = trainer._loss([unteachable, ordinary], "float32")
     alone, _, _ = trainer._loss([ordinary], "float32")
     assert torch.allclose(both, alone, rtol=1e-4, atol=1e-5), (float(both), float(alone))
+
+
+def test_prompt_positions_weigh_the_prompt_weight(tiny_model, tmp_path):
+    """A prompt position's loss weighs prompt_weight against an answer position's 1 (the shared chat prefix 0): at 0
+    the target's distributions over a prompt's tokens teach the head nothing, at 1 as much as an answer's."""
+    from dataclasses import replace
+
+    from specpipe.distill.eagle3_train import collate_head
+    from specpipe.distill.train import _collate
+
+    hidden = tiny_model.config.hidden_size
+    seqs = [_prompted(30, 10, hidden, 1), _prompted(24, 6, hidden, 2)]
+    # teacher row r is the distribution over token r+1: rows 0..prompt_len-2 teach prompt tokens, then the answer's
+    *_, weights = collate_head(seqs, 0, 2, prompt_weight=0.5)
+    assert weights[0, :9].eq(0.5).all() and weights[0, 9:29].eq(1.0).all() and weights[0, 29:].eq(0.0).all()
+    assert weights[1, :5].eq(0.5).all() and weights[1, 5:23].eq(1.0).all() and weights[1, 23:].eq(0.0).all()
+    *_, prefixed = collate_head(seqs, 3, 2, prompt_weight=0.5)
+    assert prefixed[:, :3].eq(0.0).all() and prefixed[0, 3:9].eq(0.5).all()
+    *_, model_weights = _collate(seqs, 0, 0.25)  # the model draft's batches follow the same rule
+    assert model_weights[0, :9].eq(0.25).all() and model_weights[0, 9:29].eq(1.0).all()
+
+    # the trainer uses its prompt_weight: other target distributions over the prompts change the loss unless it is 0
+    def scrambled(seq):
+        rows = seq.prompt_len - 1
+        return replace(seq, top_logprobs=torch.cat([seq.top_logprobs[:rows].flip(-1), seq.top_logprobs[rows:]]))
+
+    vocab_ids = torch.arange(0, 64)
+    for weight in (0.0, 1.0):
+        trainer = _trainer(tiny_model, seqs, tmp_path, vocab_ids, prompt_weight=weight)
+        same = torch.isclose(trainer._loss(seqs, "float32")[0], trainer._loss([scrambled(q) for q in seqs], "float32")[0])
+        assert bool(same) == (weight == 0.0), weight
 
 
 class _Oracle(torch.nn.Module):
@@ -148,6 +179,9 @@ def test_training_defaults_follow_the_kind_and_an_explicit_value_wins():
     head = DistillConfig(target="t", out="o", kind="eagle3", device="cpu")
     assert (head.lr, head.batch_tokens) == (DISTILL_KIND_DEFAULTS["eagle3"]["lr"], DISTILL_KIND_DEFAULTS["eagle3"]["batch_tokens"])
     assert DistillConfig(target="t", out="o", kind="eagle3", lr=1e-4, batch_tokens=None).lr == 1e-4
+    assert head.prompt_weight == DISTILL_KIND_DEFAULTS["eagle3"]["prompt_weight"] == 1.0  # docs/eagle3.md 3m
+    assert DistillConfig(target="t", out="o", device="cpu").prompt_weight == DISTILL_KIND_DEFAULTS["model"]["prompt_weight"]
+    assert DistillConfig(target="t", out="o", kind="eagle3", prompt_weight=0.0).prompt_weight == 0.0
 
 
 def test_gpu_runs_default_to_gpu_sized_batches_and_an_explicit_value_wins(monkeypatch):

@@ -40,6 +40,7 @@ def _option(name: str, **kwargs):
 @_option("--device", type=click.Choice(field_choices(DistillConfig, "device")))
 @_option("--lr", type=float)
 @_option("--batch-tokens", type=int)
+@_option("--prompt-weight", type=float)
 @_option("--negatives", type=int)
 @_option("--checkpoint-every", type=int)
 @_option("--threads", type=int)

@@ -94,7 +94,7 @@ def head_chain_hits(head, sequences: list[TeacherSequence], positions: int = POS
         first, last = _answer_rows(seq, positions)
         if last < first or first < 1:
             continue
-        features, tokens, valid, top_ids, _, _ = (t.to(device) for t in collate_head([seq], 0, positions))
+        features, tokens, valid, top_ids, _, _ = (t.to(device) for t in collate_head([seq], 0, positions, prompt_weight=0.0))  # weights unread
         states = head.unrolled(features, tokens, valid, positions)
         rows = []
         target = seq.top_ids[:, 0].long()

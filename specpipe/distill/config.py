@@ -17,10 +17,11 @@ DistillDtype = Literal["auto", "float32", "bfloat16", "float16"]
 VerdictQuant = Literal["none", "int8-wo", "int4-wo"]  # build's --quant modes the verdict can time a target at
 
 # Training settings whose best value differs by --kind; a DistillConfig field left unset takes its kind's value.
-# eagle3: a ~10M-weight head learns most per token with small batches and a higher rate (docs/eagle3.md measures it).
+# eagle3: a ~10M-weight head learns most per token with small batches and a higher rate, and from prompt positions
+# weighted as answers (docs/eagle3.md sections 2 and 3m measure both).
 DISTILL_KIND_DEFAULTS: dict[str, dict[str, float]] = {
-    "model": {"lr": 1e-3, "batch_tokens": 4096},
-    "eagle3": {"lr": 3e-3, "batch_tokens": 1024},
+    "model": {"lr": 1e-3, "batch_tokens": 4096, "prompt_weight": 0.2},
+    "eagle3": {"lr": 3e-3, "batch_tokens": 1024, "prompt_weight": 1.0},
 }
 # Settings whose value differs by where the run goes (the resolved --device), over the kind's. On a GPU, 48 prompts a
 # batch and 1,024-token steps leave it mostly idle; the H200 run (docs/gpu.md) answered 256 prompts at once (4.4k
@@ -100,6 +101,10 @@ class DistillConfig(Strict):
                                 "by --kind: model 1e-3, eagle3 3e-3")
     batch_tokens: Optional[int] = Field(None, ge=64, description="tokens per training step; default by --kind: model "
                                         "4096, eagle3 1024 (4096 on a GPU)")
+    prompt_weight: Optional[float] = Field(
+        None, ge=0.0, description="loss weight of a prompt position (an answer position weighs 1; the shared chat "
+        "prefix 0): the teacher pass has the target's distribution there for free; default by --kind: model 0.2, eagle3 1.0"
+    )
     negatives: int = Field(2048, ge=0, description="random vocabulary entries scored with the teacher's top-k each step")
     checkpoint_every: int = Field(50, ge=1, description="steps between saved training states (for --resume)")
     resume: bool = Field(False, description="continue a stopped run from OUT's saved training state")

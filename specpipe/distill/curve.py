@@ -148,15 +148,17 @@ def run_curve(cfg, *, kinds: tuple[str, ...], points: int, first_tokens: int, mo
                 load_head_weights(student, cfg.init_head)
             student = student.to(device)
             trainer = HeadTrainer(student, train_set, steps=cfg.ttt_steps, decay=cfg.ttt_decay, budget_s=1e9,
-                                  lr=cfg.lr, batch_tokens=cfg.batch_tokens, negatives=cfg.negatives, seed=cfg.seed,
-                                  state_path=state_dir / "head.pt", checkpoint_every=10**9)
+                                  lr=cfg.lr, batch_tokens=cfg.batch_tokens, negatives=cfg.negatives,
+                                  prompt_weight=cfg.prompt_weight, seed=cfg.seed, state_path=state_dir / "head.pt",
+                                  checkpoint_every=10**9)
             evaluate = lambda: head_chain_hits(student, held_out)  # noqa: E731
         else:
             samples = [s.token_ids for s in train_set[:16]]
             student = make_student(model, layers=cfg.layers, width=cfg.width, seed=cfg.seed, samples=samples).to(device)
             defaults = DISTILL_KIND_DEFAULTS["model"]
             trainer = Trainer(student, train_set, budget_s=1e9, lr=defaults["lr"], batch_tokens=int(defaults["batch_tokens"]),
-                              negatives=cfg.negatives, seed=cfg.seed, state_path=state_dir / "model.pt", checkpoint_every=10**9)
+                              negatives=cfg.negatives, prompt_weight=defaults["prompt_weight"], seed=cfg.seed,
+                              state_path=state_dir / "model.pt", checkpoint_every=10**9)
             evaluate = lambda: model_chain_hits(student, held_out)  # noqa: E731
         trainer.dtype = choose_precision("train", cfg.train_dtype, device, trainer.probe,
                                          options=["float32", "bfloat16"]).dtype

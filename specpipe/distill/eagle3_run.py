@@ -82,8 +82,9 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
         shutil.rmtree(out)
     train_budget_s = cfg.train_budget_s(time.perf_counter() - started)
     trainer = HeadTrainer(head, train_set, steps=cfg.ttt_steps, decay=cfg.ttt_decay, budget_s=train_budget_s, lr=cfg.lr,
-                          batch_tokens=cfg.batch_tokens, negatives=cfg.negatives, seed=cfg.seed, state_path=state_path,
-                          checkpoint_every=cfg.checkpoint_every, budget_tokens=cfg.train_tokens, held_out=held_out)
+                          batch_tokens=cfg.batch_tokens, negatives=cfg.negatives, prompt_weight=cfg.prompt_weight,
+                          seed=cfg.seed, state_path=state_path, checkpoint_every=cfg.checkpoint_every,
+                          budget_tokens=cfg.train_tokens, held_out=held_out)
     choice = set_train_precision(cfg, device, trainer, precision, progress)
     if cfg.resume:
         trainer.load()

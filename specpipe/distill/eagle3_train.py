@@ -14,16 +14,16 @@ import torch
 
 from specpipe.distill.eagle3 import Eagle3HeadModule, step_weights
 from specpipe.distill.teacher import TeacherSequence
-from specpipe.distill.train import PROMPT_LOSS_WEIGHT, Trainer, distill_loss
+from specpipe.distill.train import Trainer, distill_loss
 
 OUT_OF_VOCAB_LOGPROB = -1e4  # a teacher token the draft vocabulary lacks: weight ~0 after renormalizing
 
 
-def collate_head(sequences: list[TeacherSequence], prefix_len: int, steps: int):
+def collate_head(sequences: list[TeacherSequence], prefix_len: int, steps: int, *, prompt_weight: float):
     """Right-padded batch for `steps` unrolled steps. Returns
     features [B, n, F]; tokens [B, n + steps - 1] (tokens[:, j] = t_{j+1}); valid [B, n];
     teacher ids / log-probs [B, n + steps, k] (teacher row r = the target's distribution over t_{r+1});
-    row weights [B, n + steps] (0 past the end and on the shared chat prefix, PROMPT_LOSS_WEIGHT on prompt rows).
+    row weights [B, n + steps] (0 past the end and on the shared chat prefix, `prompt_weight` on prompt rows).
     n = longest T - 1. Step k of row i reads tokens[:, i + k] and is taught teacher row i + k + 1."""
     n = max(len(s) for s in sequences) - 1
     k = sequences[0].top_ids.shape[1]
@@ -44,7 +44,7 @@ def collate_head(sequences: list[TeacherSequence], prefix_len: int, steps: int):
         top_lp[row, : length - 1] = seq.top_logprobs.float()
         weights[row, : length - 1] = 1.0
         answer_start = max(seq.prompt_len - 1, 0)
-        weights[row, :answer_start] = PROMPT_LOSS_WEIGHT
+        weights[row, :answer_start] = prompt_weight
         weights[row, : min(prefix_len, answer_start)] = 0.0
     return features, tokens, valid, top_ids, top_lp, weights
 
@@ -59,7 +59,8 @@ class HeadTrainer(Trainer):
     def _loss(self, batch: list[TeacherSequence], dtype: str) -> tuple[torch.Tensor, float, int]:
         head = self.student
         features, tokens, valid, top_ids, top_lp, weights = (
-            t.to(self.device) for t in collate_head(batch, self.prefix_len, self.steps))
+            t.to(self.device) for t in collate_head(batch, self.prefix_len, self.steps,
+                                                       prompt_weight=self.prompt_weight))
         n = features.shape[1]
         # Teacher tokens in draft-vocabulary indices; those the vocabulary lacks get ~0 weight.
         draft_ids = head.target_to_draft(top_ids)
@@ -106,7 +107,7 @@ def head_agreement(head: Eagle3HeadModule, sequences: list[TeacherSequence], *, 
     device = head.d2t.device
     hits, totals = [0] * steps, [0] * steps
     for seq in sequences:
-        features, tokens, valid, top_ids, _, _ = (t.to(device) for t in collate_head([seq], 0, steps))
+        features, tokens, valid, top_ids, _, _ = (t.to(device) for t in collate_head([seq], 0, steps, prompt_weight=0.0))  # weights unread
         n = features.shape[1]
         states = head.unrolled(features, tokens, valid, steps)
         start = max(seq.prompt_len - 1, 0) if answers_only else 0

@@ -266,7 +266,7 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
         shutil.rmtree(out)
     train_budget_s = cfg.train_budget_s(time.perf_counter() - started)
     trainer = Trainer(student, train_set, budget_s=train_budget_s, lr=cfg.lr, batch_tokens=cfg.batch_tokens,
-                      negatives=cfg.negatives, seed=cfg.seed, state_path=state_path,
+                      negatives=cfg.negatives, prompt_weight=cfg.prompt_weight, seed=cfg.seed, state_path=state_path,
                       checkpoint_every=cfg.checkpoint_every, budget_tokens=cfg.train_tokens, held_out=held_out)
     choice = set_train_precision(cfg, device, trainer, precision, progress)
     if cfg.resume:

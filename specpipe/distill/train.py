@@ -26,9 +26,6 @@ import torch
 
 from specpipe.distill.teacher import TeacherSequence
 
-# Prompt positions teach the draft to read prompts, but it never has to predict them while drafting:
-# they count for a fifth of an answer position.
-PROMPT_LOSS_WEIGHT = 0.2
 WARMUP_STEPS = 20
 EVALS_PER_BUDGET = 10  # held-out evaluations over a work budget
 FINAL_LR_FRACTION = 0.05
@@ -79,9 +76,9 @@ def _batches(sequences: list[TeacherSequence], batch_tokens: int, rng: random.Ra
     return batches
 
 
-def _collate(sequences: list[TeacherSequence], prefix_len: int):
+def _collate(sequences: list[TeacherSequence], prefix_len: int, prompt_weight: float):
     """Right-padded batch: input ids [B, T], attention mask [B, T], teacher ids/log-probs [B, T-1, k],
-    loss weights [B, T-1] (0 on padding and on the shared chat-template prefix)."""
+    loss weights [B, T-1] (0 on padding and on the shared chat-template prefix, `prompt_weight` on prompt rows)."""
     width = max(len(s) for s in sequences)
     k = sequences[0].top_ids.shape[1]
     batch = len(sequences)
@@ -99,7 +96,7 @@ def _collate(sequences: list[TeacherSequence], prefix_len: int):
         # Row t predicts token t+1; answer rows start at prompt_len - 1.
         weights[row, : n - 1] = 1.0
         answer_start = max(seq.prompt_len - 1, 0)
-        weights[row, :answer_start] = PROMPT_LOSS_WEIGHT
+        weights[row, :answer_start] = prompt_weight
         weights[row, : min(prefix_len, answer_start)] = 0.0
     return input_ids, mask, top_ids, top_lp, weights
 
@@ -158,14 +155,15 @@ def lr_at(state: TrainState, budget_s: float, peak_lr: float, budget_tokens: Opt
 
 class Trainer:
     def __init__(self, student, sequences: list[TeacherSequence], *, budget_s: float, lr: float, batch_tokens: int,
-                 negatives: int, seed: int, state_path: Path, checkpoint_every: int, dtype: str = "float32",
+                 negatives: int, prompt_weight: float, seed: int, state_path: Path, checkpoint_every: int, dtype: str = "float32",
                  budget_tokens: Optional[int] = None, held_out: Optional[list[TeacherSequence]] = None,
                  eval_every_s: float = 30.0):
         if not sequences:
             raise ValueError("no teacher data to train on")
         self.student, self.sequences = student, sequences
         self.budget_s, self.peak_lr, self.batch_tokens, self.negatives = budget_s, lr, batch_tokens, negatives
-        self.budget_tokens = budget_tokens
+        # Prompt positions teach a draft to read prompts, which it never drafts: DistillConfig.prompt_weight, by kind.
+        self.budget_tokens, self.prompt_weight = budget_tokens, prompt_weight
         self.seed, self.state_path, self.checkpoint_every = seed, Path(state_path), checkpoint_every
         # Matmul precision under autocast (master weights stay fp32); precision.py chooses it by measuring.
         self.dtype = dtype
@@ -209,7 +207,7 @@ class Trainer:
 
     def _loss(self, batch: list[TeacherSequence], dtype: str) -> tuple[torch.Tensor, float, int]:
         """Forward pass and loss on a batch: (loss, top-1 agreement, tokens)."""
-        input_ids, mask, top_ids, top_lp, weights = (t.to(self.device) for t in _collate(batch, self.prefix_len))
+        input_ids, mask, top_ids, top_lp, weights = (t.to(self.device) for t in _collate(batch, self.prefix_len, self.prompt_weight))
         self.student.train()
         with torch.autocast(self.device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
             hidden = self.student.model(input_ids=input_ids, attention_mask=mask).last_hidden_state[:, :-1]
