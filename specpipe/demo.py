@@ -76,11 +76,13 @@ DISTILL_MINUTES = 18.0
 # is the one phase whose length the demo chooses, so its cap is what the bound leaves after what came before (the
 # install, the model fetch) and what comes after. After, on the session-21 fresh demo (AMD EPYC Zen 3, AVX2, 2
 # cores, docs/demo.md): outside the cap, the teacher probe, held-out scoring and verdict 1.2 min; the build 2.3 min;
-# generate, serve and the gate 0.9 min: 4.4 min, taken as 5. That demo took 24 min 30 s with an 18-minute cap
-# after a 2.3-minute install and fetch; a machine whose install is slower (a cold pip cache) trains a shorter
-# head instead of crossing the bound. Never under MIN_DISTILL_MINUTES: a head trained less is not worth building.
+# generate, serve and the gate 0.9 min: 4.4 min. Four fresh demos on that machine spent 4.0, 4.4, 4.7 and 5.8 min
+# after the cap; the 5.8 (session 25) in an hour when the target ran ~1.3x slower than in the others (the build 182 s
+# against 135-148), which took the demo to 25 min 49 s with 5 reserved. So 6.5: the slowest measured, and a margin.
+# A machine whose install is slower (a cold pip cache) trains a shorter head instead of crossing the bound. Never
+# under MIN_DISTILL_MINUTES: a head trained less is not worth building.
 DEMO_MINUTES = 25.0
-AFTER_DISTILL_MINUTES = 5.0
+AFTER_DISTILL_MINUTES = 6.5
 MIN_DISTILL_MINUTES = 4.0
 PROMPTS = [
     ("code", "Write a Python function that returns the sum of the squares of a list of numbers."),
