@@ -172,6 +172,23 @@ def test_head_chain_hits_with_lookup_take_the_copy_where_the_head_is_unsure(tiny
     assert head_chain_hits(head, [seq], lookup_below=1.0).summary()["conditional"][0] > alone.float().mean(1)[0]
 
 
+def test_head_chain_hits_alone_and_with_lookup_from_one_unroll_equal_the_two_scorings(tiny_model):
+    """The distillation's closing record scores the head alone and with prompt lookup from one unroll: both equal
+    what head_chain_hits gives for each (and the lookup's copies do not leak into the head's own hits)."""
+    from specpipe.distill.acceptance import head_chain_hits, head_chain_hits_alone_and_with_lookup
+    from specpipe.distill.eagle3 import make_head
+
+    head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64), warm_start=True, seed=0)
+    seqs = [_prompted(40, 6, tiny_model.config.hidden_size, 5), _prompted(30, 4, tiny_model.config.hidden_size, 6)]
+    for k in range(20, len(seqs[0])):
+        seqs[0].token_ids[k] = seqs[0].token_ids[k - 14]
+    seqs[0].top_ids[:, 0] = seqs[0].token_ids[1:].int()
+    alone, looked = head_chain_hits_alone_and_with_lookup(head, seqs, lookup_below=1.0)
+    assert torch.equal(alone.hits, head_chain_hits(head, seqs).hits)
+    assert torch.equal(looked.hits, head_chain_hits(head, seqs, lookup_below=1.0).hits)
+    assert not torch.equal(alone.hits, looked.hits)  # the repeated answer's copies changed some anchors
+
+
 def test_training_defaults_follow_the_kind_and_an_explicit_value_wins():
     from specpipe.distill.config import DISTILL_KIND_DEFAULTS, DistillConfig
 

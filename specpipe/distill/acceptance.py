@@ -83,13 +83,21 @@ def head_chain_hits(head, sequences: list[TeacherSequence], positions: int = POS
                     lookup_below: float = 0.0) -> ChainHits:
     """An EAGLE-3 head: position k from anchor r is unrolled step k-1 of head row r-1 (eagle3.py's indexing).
     `lookup_below` > 0: prompt lookup drafts where the head is unsure (module docstring)."""
+    return head_chain_hits_alone_and_with_lookup(head, sequences, lookup_below, positions)[1]
+
+
+@torch.inference_mode()
+def head_chain_hits_alone_and_with_lookup(head, sequences: list[TeacherSequence], lookup_below: float,
+                                          positions: int = POSITIONS) -> tuple[ChainHits, ChainHits]:
+    """The head's chains alone and with prompt lookup where it is unsure (`lookup_below`), from one unroll per
+    sequence: the head's own hits are the same in both, the lookup only replaces the anchors it drafts."""
     from specpipe.distill.eagle3_train import collate_head
     from specpipe.speculative.eagle3 import LOOKUP_MAX_TOKENS
     from specpipe.speculative.ngram import NgramDrafter
 
     head.eval()
     device = head.d2t.device
-    parts = []
+    alone, looked = [], []
     for seq in sequences:
         first, last = _answer_rows(seq, positions)
         if last < first or first < 1:
@@ -105,7 +113,9 @@ def head_chain_hits(head, sequences: list[TeacherSequence], positions: int = POS
             if step == 0:
                 first_logits = logits
         hits = torch.stack(rows)
+        alone.append(ChainHits(hits))
         if lookup_below > 0:
+            hits = hits.clone()
             unsure = torch.softmax(first_logits.float(), -1).max(-1).values.cpu()[first - 1 : last] < lookup_below
             lookup, tokens = NgramDrafter().new_request(), seq.token_ids.tolist()
             for a in torch.nonzero(unsure).flatten().tolist():
@@ -113,5 +123,5 @@ def head_chain_hits(head, sequences: list[TeacherSequence], positions: int = POS
                 copy = lookup.propose(tokens[: r + 1], min(positions, LOOKUP_MAX_TOKENS), None, None).tokens
                 if copy:
                     hits[:, a] = torch.tensor([k < len(copy) and copy[k] == int(target[r + k]) for k in range(positions)])
-        parts.append(ChainHits(hits))
-    return ChainHits.cat(parts, positions)
+        looked.append(ChainHits(hits))
+    return ChainHits.cat(alone, positions), ChainHits.cat(looked, positions)

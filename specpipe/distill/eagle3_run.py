@@ -39,7 +39,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     import torch
 
     from specpipe.checkpoint.draft_vocab import count_tokens, top_token_ids
-    from specpipe.distill.acceptance import head_chain_hits
+    from specpipe.distill.acceptance import head_chain_hits_alone_and_with_lookup
     from specpipe.distill.eagle3 import head_vocab_size, load_head_weights, make_head
     from specpipe.distill.eagle3_train import HeadTrainer
     from specpipe.distill.run import STATE_DIR, DistillResult, _eos_ids, _teacher_data, open_target, set_train_precision
@@ -97,6 +97,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
 
     best = trainer.best
     parameters = sum(p.numel() for p in head.parameters())
+    chain_alone, chain_looked = head_chain_hits_alone_and_with_lookup(head, held_out, LOOKUP_BELOW)
     record = {
         "format": 1,
         "kind": "eagle3",
@@ -120,10 +121,9 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
         "held_out_agreement_by_step": next((e[4] for e in state.evals if best and e[0] == best[1]), None),
         # The kept weights drafting chains on the held-out answers: per-position acceptance given the earlier
         # positions accepted, and accepted tokens per verify at K=3 (distill/acceptance.py states the conventions).
-        "held_out_chain": head_chain_hits(head, held_out).summary() if held_out else None,
+        "held_out_chain": chain_alone.summary() if held_out else None,
         # ... and as the decoder drafts with it: prompt lookup where the head is unsure (speculative/eagle3.py)
-        "held_out_chain_with_lookup": (head_chain_hits(head, held_out, lookup_below=LOOKUP_BELOW).summary()
-                                       if held_out else None),
+        "held_out_chain_with_lookup": chain_looked.summary() if held_out else None,
         "kept_step": best[1] if best else state.step,
         "held_out_curve": state.evals,
         "device": str(device),
