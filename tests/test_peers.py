@@ -281,3 +281,21 @@ def test_peer_accuracy_scores_each_peer_and_specpipe_against_the_budget(monkeypa
     assert notes[2].startswith("accuracy llamacpp: skipped")
     fp32 = {**manifest, "target": {**manifest["target"], "engine": {"quant": "none"}}}
     assert peers.peer_accuracy(["ortgenai"], fp32, 1, tokenizer=None) == ([], [])
+
+
+def test_llamacpp_prompt_lookup_takes_a_prompt_longer_than_its_batch(tiny_f32_gguf):
+    """A prompt of more than llama.cpp's 512-token batch through the prompt-lookup row (a draft model): llama-cpp-python
+    0.3.36 raised a ValueError in its eval unless the Llama is made with logits_all (peers/llamacpp.py `load`)."""
+    note = missing_note("llamacpp")
+    if note:
+        pytest.skip(note)
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from specpipe.bench.peers.llamacpp import N_CTX, PROMPT_LOOKUP, LlamaGenerate, load
+
+    prompt = [(7 * i) % 50 + 3 for i in range(700)]  # > 512 tokens, < N_CTX with the answer
+    assert 512 < len(prompt) < N_CTX - 8
+    alone = LlamaGenerate(load(tiny_f32_gguf, 1), [2])(prompt, 6)
+    lookup = LlamaGenerate(load(tiny_f32_gguf, 1, draft_model=LlamaPromptLookupDecoding(**PROMPT_LOOKUP)), [2])(prompt, 6)
+    assert alone.num_generated == lookup.num_generated == 6
+    assert lookup.token_ids == alone.token_ids  # fp32: the lookup row's greedy output is the target's

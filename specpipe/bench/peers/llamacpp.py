@@ -128,8 +128,12 @@ def _file_type(path: Path) -> Optional[int]:
 def load(gguf: Path, threads: int, draft_model=None):
     from llama_cpp import Llama
 
+    # With a draft model llama-cpp-python keeps every position's logits (llama.py 0.3.36: `_logits_all = logits_all if
+    # draft_model is None else True`) but sizes its `scores` array by the logits_all argument (n_batch rows when
+    # False), so a prompt longer than n_batch (512) raised a ValueError in eval. Asking for logits_all with a draft
+    # model sizes the array for the context (n_ctx rows), as the eval writes it.
     return Llama(model_path=str(gguf), n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, verbose=False,
-                 draft_model=draft_model)
+                 draft_model=draft_model, logits_all=draft_model is not None)
 
 
 class LlamaGenerate:
