@@ -16,6 +16,7 @@ from specpipe.speculative.adaptive import (
     best_draft_length,
     draft_length_policy,
     expected_speedup,
+    tokens_per_cost,
     worth_another,
 )
 from specpipe.speculative.decoder import SpeculativeDecoder
@@ -98,6 +99,17 @@ def test_another_token_is_drafted_only_while_it_raises_tokens_per_cost():
     assert worth_another([0.9], 0.9, INT8_CPU) and not worth_another([0.9], 0.05, INT8_CPU)
 
 
+def test_tokens_per_cost_charges_a_copy_one_draft_step():
+    # The docstring's example, int8 target: [0.5] 1.5 / 1.18; [0.5, 0.6] 1.8 / 1.45 drafted, 1.8 / 1.35 copied (an
+    # EAGLE-3 head's prompt-lookup copy pays its one head step whatever its length); nothing drafted: 1 token a step.
+    assert tokens_per_cost([0.5], INT8_CPU) == pytest.approx(1.5 / 1.18)
+    assert tokens_per_cost([0.5, 0.6], INT8_CPU) == pytest.approx(1.8 / 1.45)
+    assert tokens_per_cost([0.5, 0.6], INT8_CPU, copied=True) == pytest.approx(1.8 / 1.35)
+    assert tokens_per_cost([], INT8_CPU) == tokens_per_cost([], INT8_CPU, copied=True) == 1.0
+    policy = ExpectedSpeedupDraftLength(INT8_CPU, start=1, max_len=8)
+    assert policy.tokens_per_cost([0.5, 0.6], copied=True) == pytest.approx(1.8 / 1.35)
+
+
 # Draft table for the session tests: after token 0 the draft is sure of 1 (0.95), after 1 it picks 2 at 0.6,
 # after 2 and 3 it is sure again. Greedy drafting from context [0] goes 1, 2, 3, 0.
 SURE_THEN_UNSURE = np.array(
@@ -128,6 +140,23 @@ def test_a_draft_session_ends_its_step_where_the_cost_rule_says(draft_length, st
     assert k == 4  # adaptive: the ceiling (max_draft_tokens), not the policy's K of 1; heuristic: its K, 4
     proposal = request.draft.propose(request.context, k, cfg.sampling, request.rng)
     assert proposal.tokens == expected
+
+
+@pytest.mark.parametrize("draft_length", ["adaptive", "heuristic", "fixed"])
+def test_only_adaptive_k_hands_the_draft_its_tokens_per_cost(draft_length):
+    """A request's draft session gets the cost rule's tokens_per_cost under adaptive K (an EAGLE-3 head weighs its
+    prompt-lookup copies with it, speculative/eagle3.py) and None otherwise (the copy then runs as under a fixed K)."""
+    from specpipe.speculative.settle import RequestState
+
+    cfg = GenerationConfig(draft_length=draft_length, num_draft_tokens=2, max_draft_tokens=4, max_new_tokens=8)
+    request = RequestState([0], cfg, SpecStats(), set())
+    request.start(BigramEngine(np.log(SURE_THEN_UNSURE)).new_sequence(),
+                  ModelDrafter(BigramEngine(np.log(SURE_THEN_UNSURE)), 5), INT8_CPU, 64)
+    rate = request.draft.tokens_per_cost
+    if draft_length == "adaptive":
+        assert rate([0.5, 0.6], copied=True) == pytest.approx(tokens_per_cost([0.5, 0.6], INT8_CPU, copied=True))
+    else:
+        assert rate is None
 
 
 def test_prompt_lookup_is_asked_for_the_policys_k_not_its_ceiling():

@@ -406,6 +406,57 @@ def test_where_the_head_is_unsure_prompt_lookup_drafts_and_stays_lossless(markov
     assert proposal.tokens == [int(markov.perm[greedy_next]), cycle[0]] and proposal.probs is None
 
 
+def cycle_session(markov, target, good, policy=None):
+    """A session with lookup_below 1.0 (the threshold never keeps the head) that has seen the cycle prompt's
+    features; its context for `propose`: the prompt and the target's greedy next token (prompt lookup matches it)."""
+    drafter = drafter_for(markov, target, good.head.folder)
+    drafter.lookup_below = 1.0
+    session = drafter.new_request(GenerationConfig(draft_length="adaptive"))
+    if policy is not None:  # as a request under adaptive K sets them (settle.RequestState.start)
+        session.worth_another, session.tokens_per_cost = policy.worth_another, policy.tokens_per_cost
+    cycle = cycle_prompt(markov)
+    row = target.new_sequence()
+    row.keep_features()
+    row.append(cycle)
+    session.observe_features(0, row.features)
+    return session, cycle + [int(markov.perm[cycle[-1]])]
+
+
+def test_under_adaptive_k_a_copy_beats_the_head_only_where_the_request_learned_it_does(markov, target, good):
+    """Under adaptive K (as deployed) a step copies only as many tokens as pay, and only where that copy's expected
+    tokens per cost, from the request's own copies so far, beat the head's x_1 (speculative/eagle3.py CopyOdds)."""
+    from specpipe.contract.costs import StepCosts
+    from specpipe.speculative.adaptive import ExpectedSpeedupDraftLength
+    from specpipe.speculative.eagle3 import LOOKUP_MAX_TOKENS
+    from specpipe.speculative.ngram import NgramDrafter
+
+    policy = ExpectedSpeedupDraftLength(StepCosts(draft=0.12, verify_per_token=0.13, verify=(1.02, 1.19, 1.30)), 1, 16)
+    rng = np.random.default_rng(0)
+
+    def propose(first: float, stay: float):
+        session, context = cycle_session(markov, target, good, policy)
+        session.copy_odds._first, session.copy_odds._stay = [first, 1.0], [stay, 1.0]
+        return session, session.propose(context, 16, SAMPLED.sampling, rng), context
+
+    session, proposal, context = propose(1.0, 0.9)  # copies always right so far: the whole match
+    match = NgramDrafter().new_request().propose(context, LOOKUP_MAX_TOKENS, SAMPLED.sampling, rng).tokens
+    assert len(match) == LOOKUP_MAX_TOKENS and match[0] == int(markov.perm[context[-1]])
+    assert proposal.copied and proposal.tokens == match
+    session.observe(4, 1)  # what the request learns from it
+    assert session.copy_odds.first == 1.0 and session.copy_odds.stay < 0.9
+    _, proposal, _ = propose(1.0, 0.1)  # copied runs seldom hold: one token
+    assert proposal.copied and proposal.tokens == match[:1]
+    session, proposal, _ = propose(0.0, 0.9)  # copies never right: the head drafts
+    assert not proposal.copied and proposal.tokens and proposal.probs is not None
+    session.observe(len(proposal.tokens), 0)  # a head draft's outcome is not a copy's
+    assert session.copy_odds.first == 0.0
+    # Without the cost rule (a fixed K) the threshold alone decides, and the copy runs to the match.
+    session, context = cycle_session(markov, target, good)
+    session.copy_odds._first = [0.0, 1.0]
+    proposal = session.propose(context, 16, SAMPLED.sampling, rng)
+    assert proposal.copied and proposal.tokens == match
+
+
 def test_lookup_drafts_keep_the_target_distribution(markov, target, good):
     """Sampling with the lookup drafting every step it can: tokens 2 and 3 (the step the cycle prompt's copy
     drafts) follow the target's probabilities."""

@@ -130,6 +130,11 @@ class ExpectedSpeedupDraftLength(DraftLengthPolicy):
         (`worth_another`, below), the next token's chance taken as this request's acceptance estimate."""
         return worth_another(confidences, self.acceptance, self.costs)
 
+    def tokens_per_cost(self, chances: Sequence[float], copied: bool = False) -> float:
+        """`tokens_per_cost` (below) on this request's costs: a drafter that knows its tokens' chances (an EAGLE-3
+        head's prompt-lookup copies, speculative/eagle3.py) weighs its options with it."""
+        return tokens_per_cost(chances, self.costs, copied)
+
     def observe(self, num_drafted: int, accepted_len: int) -> None:
         if num_drafted == 0:
             return
@@ -154,13 +159,22 @@ def worth_another(confidences: Sequence[float], acceptance: float, costs: StepCo
     yields 1 + p1 + p1 p2 + ... tokens for costs.step_cost(k), and one more adds p1 ... pk * acceptance for
     step_cost(k + 1). Example, int8-wo target (verify of 1+1 / 1+2 tokens 1.08 / 1.25 steps), c = 0.1, a = 0.5:
     after p1 = 0.9 another pays (1.9 / 1.18 = 1.61 < 2.35 / 1.45 = 1.62), after p1 = 0.6 it does not."""
-    chain = 1.0
-    tokens = 1.0
-    for p in confidences:
+    return tokens_per_cost([*confidences, acceptance], costs) > tokens_per_cost(confidences, costs)
+
+
+def tokens_per_cost(chances: Sequence[float], costs: StepCosts, copied: bool = False) -> float:
+    """Expected tokens of a step that drafts len(chances) tokens, token i accepted with chance chances[i] given the
+    earlier ones were (1 + p1 + p1 p2 + ...: the accepted drafts and the target's own token), over the step's cost
+    relative to one target step. `copied`: the tokens were copied from the context after one draft step (an
+    EAGLE-3 head's prompt lookup, speculative/eagle3.py), so the step pays its verification and that one draft
+    step, not one per token. Example, int8-wo target (verify of 1+1 / 1+2 tokens 1.08 / 1.25 steps), c = 0.1:
+    [0.5] 1.5 / 1.18 = 1.27; [0.5, 0.6] 1.8 / 1.45 = 1.24 drafted, 1.8 / 1.35 = 1.33 copied."""
+    chain = tokens = 1.0
+    for p in chances:
         chain *= p
         tokens += chain
-    k = len(confidences)
-    return (tokens + chain * acceptance) / costs.step_cost(k + 1) > tokens / costs.step_cost(k)
+    k = len(chances)
+    return tokens / (costs.verify_cost(k) + costs.draft * (min(k, 1) if copied else k))
 
 
 def best_draft_length(acceptance: float, costs: StepCosts, max_len: int) -> int:

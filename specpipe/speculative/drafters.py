@@ -40,6 +40,9 @@ class DraftSession(ABC):
     # Set by the request when its K adapts (adaptive.ExpectedSpeedupDraftLength.worth_another): told the top
     # probabilities of the tokens drafted so far this step, whether one more pays. None: draft up to k.
     worth_another: Optional[Callable[[Sequence[float]], bool]] = None
+    # Set with it under adaptive K (adaptive.ExpectedSpeedupDraftLength.tokens_per_cost): a step's expected tokens per
+    # cost for drafts of known chances (`copied`: copied from the context after one draft step). None otherwise.
+    tokens_per_cost: Optional[Callable[..., float]] = None
     # True: the session ends a step by its tokens' confidence (`_Drafted.go_on`), so it is asked for the policy's
     # ceiling rather than its K (adaptive.DraftLengthPolicy.ceiling). Prompt lookup has no confidence.
     stops_by_confidence: bool = False

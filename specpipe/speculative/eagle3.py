@@ -21,6 +21,15 @@ lookup (ngram.py) drafts the step instead: up to LOOKUP_MAX_TOKENS tokens copied
 (q = 1 on each), so the rule stays exact; the choice reads only the context, never the target. The head is
 calibrated (its top probability ~ how often its x_1 is the target's), while a lookup match is right about as often
 whatever the head thinks, so below the threshold the copy is the better draft (docs/eagle3-decoding.md).
+
+Under adaptive K (as deployed) each request also learns how its copies fare (`CopyOdds`: the chance a copy's first
+token is accepted, and that a copied run which started right stays right), because that differs by request and by
+machine: on code a copy is right about half the time, on chat about one time in five. Below the threshold the step
+then weighs both options by expected tokens per cost (adaptive.tokens_per_cost, the verify curve measured at build):
+the copy, as many of its tokens as pay, against the head's own x_1 at its top probability. Where a verified token
+costs little (an fp32 target) a long copy pays even when it is seldom right; where each costs 0.1-0.2 of a step (an
+int8-wo target on a CPU) a short one or none. Under a fixed K (benchmark sweeps) a step below the threshold copies
+min(k, LOOKUP_MAX_TOKENS), as before.
 """
 
 from __future__ import annotations
@@ -47,6 +56,61 @@ DEFAULT_HEAD_DRAFT_COST = 0.05
 # in the same places, and both ~0.4-0.5 between 0.4 and 0.5.
 LOOKUP_BELOW = 0.4
 LOOKUP_MAX_TOKENS = 4
+
+# A request's copies before it has shown its own (CopyOdds): in the same measurement a lookup match was right ~0.45
+# of the time where the head was unsure, and a copied run that started right stayed right 0.61-0.66 of the time at
+# its 2nd-4th token. Each prior counts as COPY_PRIOR_WEIGHT judged tokens; older outcomes decay by COPY_DECAY a copy.
+COPY_FIRST_PRIOR = 0.45
+COPY_STAY_PRIOR = 0.65
+COPY_PRIOR_WEIGHT = 4.0
+COPY_DECAY = 0.8
+
+
+class CopyOdds:
+    """One request's estimates for its prompt-lookup copies: `first`, the chance a copy's first token is accepted,
+    and `stay`, the chance a copied token is accepted after the copy's earlier ones were. Discounted counts over
+    the copies verified so far, each estimate starting from its prior worth COPY_PRIOR_WEIGHT tokens.
+    Example: after copies judged (4 drafted, 0 accepted) three times, first = 0.45 * 4 * 0.8^3 / (4 * 0.8^3 + 2.44)
+    = 0.20 and stay stays 0.65 (no copied token was judged after an accepted one)."""
+
+    def __init__(self):
+        self._first = [COPY_FIRST_PRIOR * COPY_PRIOR_WEIGHT, COPY_PRIOR_WEIGHT]  # [successes, trials]
+        self._stay = [COPY_STAY_PRIOR * COPY_PRIOR_WEIGHT, COPY_PRIOR_WEIGHT]
+
+    @property
+    def first(self) -> float:
+        return self._first[0] / self._first[1]
+
+    @property
+    def stay(self) -> float:
+        return self._stay[0] / self._stay[1]
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A copy of `drafted` tokens whose first `accepted` were accepted: token 1 was judged, and token i > 1 was
+        judged only if tokens 1..i-1 were accepted."""
+        if drafted <= 0:
+            return
+        for counts, successes, trials in ((self._first, min(accepted, 1), 1),
+                                          (self._stay, max(accepted - 1, 0), min(accepted, drafted - 1))):
+            counts[0] = COPY_DECAY * counts[0] + successes
+            counts[1] = COPY_DECAY * counts[1] + trials
+
+    def chances(self, n: int) -> list[float]:
+        """The chance of each of a copy's first n tokens, given the earlier ones were accepted."""
+        return [self.first] + [self.stay] * (n - 1) if n > 0 else []
+
+    def length(self, available: int, tokens_per_cost) -> int:
+        """How many of `available` copied tokens to draft: the most tokens per cost (`tokens_per_cost(chances,
+        copied=True)`), lengthened one token at a time while that rises. Example, int8-wo target (verify of 1+1 ..
+        1+4 tokens 1.02, 1.19, 1.30, 1.46 steps, a head step 0.12), the priors 0.45 / 0.65: 1.27, 1.33, 1.36, 1.30
+        tokens per step for 1..4 tokens: 3."""
+        def rate(n: int) -> float:
+            return tokens_per_cost(self.chances(n), copied=True)
+
+        n = 1
+        while n < available and rate(n + 1) > rate(n):
+            n += 1
+        return n
 
 
 class Eagle3Drafter(Drafter):
@@ -81,6 +145,8 @@ class Eagle3DraftSession(DraftSession):
         self.features_from = 0  # ...features_from, features_from + 1, ... not yet in the cache
         self.min_confidence = draft_confidence_floor(cfg)  # as ModelDraftSession: stop after an unsure token
         self.lookup = drafter.lookup.new_request(cfg) if drafter.lookup_below > 0 else None
+        self.copy_odds = CopyOdds()  # how this request's copies fare (read under the cost rule: adaptive K)
+        self.copying = False  # the last proposal was a copy
 
     def observe_features(self, first_position: int, features: np.ndarray) -> None:
         """features [n, F]: the target's features of positions first_position .. first_position + n - 1, all of
@@ -102,11 +168,10 @@ class Eagle3DraftSession(DraftSession):
         new = self.features[rows - self.features_from : last_row + 1 - self.features_from]
         logits, state = self.head.context_rows(self.cache, context[rows + 1 : last_row + 2], new)
         self.features, self.features_from = self.features[last_row + 1 - self.features_from :], last_row + 1
-        if self.lookup is not None and _top_probability(logits) < self.drafter.lookup_below:
-            copied = self.lookup.propose(context, min(k, LOOKUP_MAX_TOKENS), sampling, rng)
-            if copied.tokens:
-                copied.copied = True
-                return copied  # point masses; the cache holds the context rows only, as after a head draft
+        copied = self._copy(_top_probability(logits), context, k, sampling, rng)
+        self.copying = copied is not None
+        if copied is not None:
+            return copied  # point masses; the cache holds the context rows only, as after a head draft
         draft = _Drafted()
         for _ in range(k):
             draft.add(*self.pick(logits, sampling, rng))
@@ -115,6 +180,29 @@ class Eagle3DraftSession(DraftSession):
             logits, state = self.head.draft_step(self.cache, draft.tokens[-1], state)
         self.cache.truncate(last_row + 1)  # the draft positions leave; verified ones come back from features
         return draft.proposal()
+
+    def _copy(self, confidence: float, context: Sequence[int], k: int, sampling: SamplingConfig,
+              rng: np.random.Generator) -> Optional[Proposal]:
+        """The lookup's copy, where the head is unsure of x_1 (top probability `confidence` under the threshold) and
+        the context has a match; under adaptive K only as long as pays, and only if that beats the head's x_1
+        (module docstring). None: the head drafts."""
+        if self.lookup is None or confidence >= self.drafter.lookup_below:
+            return None
+        copied = self.lookup.propose(context, min(k, LOOKUP_MAX_TOKENS), sampling, rng)
+        if not copied.tokens:
+            return None
+        rate = self.tokens_per_cost
+        if rate is not None:
+            n = self.copy_odds.length(len(copied.tokens), rate)
+            if rate(self.copy_odds.chances(n), copied=True) <= rate([confidence]):
+                return None
+            copied.tokens = copied.tokens[:n]
+        copied.copied = True
+        return copied
+
+    def observe(self, num_drafted: int, accepted_len: int) -> None:
+        if self.copying:
+            self.copy_odds.observe(num_drafted, accepted_len)
 
     def pick(self, logits: np.ndarray, sampling: SamplingConfig, rng: np.random.Generator) -> tuple[int, Optional[np.ndarray]]:
         """The next drafted token from the head's logits [draft_vocab_size] and the q [V_target] it was drawn from

@@ -51,6 +51,7 @@ class RequestState:
         self.draft_len = draft_length_policy(self.cfg, costs)  # fixed K, or K adapted to this request
         if self.draft is not None:  # an adaptive K is a ceiling: the draft stops when one more does not pay
             self.draft.worth_another = self.draft_len.worth_another
+            self.draft.tokens_per_cost = getattr(self.draft_len, "tokens_per_cost", None)  # adaptive K only
 
     def draft_k(self) -> int:
         """Tokens to ask the draft for this step (before `room`): 0 without a draft; the policy's K; or, for a draft
