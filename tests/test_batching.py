@@ -15,6 +15,7 @@ from specpipe.contract.generation import GenerationConfig, SamplingConfig
 from specpipe.contract.manifest import ServingRecord
 from specpipe.deployment import load_deployment, make_scheduler
 from specpipe.engines.shared_kv import KVBatch, SharedKVEngine
+from specpipe.errors import EngineError
 from specpipe.speculative import SpecStats
 from specpipe.speculative.adaptive import plan_batch_draft_lengths, scheduled_draft_length
 from specpipe.speculative.batching import BatchScheduler, ServerBusyError, StepTrace
@@ -378,6 +379,30 @@ def test_the_buffer_grows_past_its_first_capacity(pair, torch_target):
     logits = batch.decode(rows, [8, 9])
     np.testing.assert_allclose(logits[0], torch_logits(torch_target, [5, 6, 7, 8])[-1], atol=1e-4)
     np.testing.assert_allclose(logits[1], torch_logits(torch_target, long + [9])[-1], atol=1e-4)
+
+
+def test_a_row_started_from_a_saved_prefix_continues_as_torch_does(pair, torch_target):
+    """save_prefix / load_prefix: a row that starts from another row's first tokens (their keys and values copied,
+    into another slot of a batch whose buffer has grown since) runs only what follows and gives the logits of the
+    whole sequence; the rows stay apart (the first keeps decoding its own tokens)."""
+    batch = pair.target.new_batch(3)
+    first, filler, second = batch.new_sequence(), batch.new_sequence(), batch.new_sequence()
+    rng = np.random.default_rng(5)
+    shared, own = [int(t) for t in rng.integers(3, 300, size=10)], [int(t) for t in rng.integers(3, 300, size=4)]
+    first.append(shared + [11, 12])
+    prefix = first.save_prefix(len(shared))
+    filler.append([int(t) for t in rng.integers(3, 300, size=300)])  # the buffer grows: new arrays
+    second.load_prefix(prefix)
+    assert second.tokens == shared
+    logits = second.append(own)
+    np.testing.assert_allclose(logits, torch_logits(torch_target, shared + own)[len(shared):], atol=1e-4)
+    both = batch.decode([first, second], [13, 14])
+    np.testing.assert_allclose(both[0], torch_logits(torch_target, shared + [11, 12, 13])[-1], atol=1e-4)
+    np.testing.assert_allclose(both[1], torch_logits(torch_target, shared + own + [14])[-1], atol=1e-4)
+    with pytest.raises(EngineError, match="nothing cached"):
+        second.load_prefix(prefix)
+    with pytest.raises(ValueError):
+        first.save_prefix(0)
 
 
 def check_kept_bindings(pair, torch_target):

@@ -124,6 +124,35 @@ def test_onnx_teacher_gives_the_torch_teachers_records(model, targets, prompts):
             1.0, float(ref.features.float().abs().max()))
 
 
+@pytest.fixture(scope="module")
+def chat_prompts(tiny_tokenizer):
+    """Prompts that start with the same turn, as the chat template makes them (SmolLM2's: 24 tokens of ~44)."""
+    system = tiny_tokenizer("system: you are a helpful assistant who answers briefly.\nuser:")["input_ids"]
+    texts = ["def add(a, b):", "The quick brown fox jumps over", "Explain a compiler", "x = [1, 2, 3]"]
+    return [system + tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def test_a_prefix_all_prompts_share_runs_once_and_the_records_stay_the_targets(model, targets, chat_prompts,
+                                                                               monkeypatch):
+    """The ONNX teacher runs the tokens its prompts share once (the first prompt's call); the others' calls run
+    only their own tokens from a copy of its keys and values, and every record (answers, top-k rows, features,
+    prompt rows included) still matches the torch teacher's and the target's own."""
+    from specpipe.distill.teacher import SHARED_PREFIX_MIN, shared_prefix_length
+    from specpipe.engines.shared_kv import SlotSequence
+
+    shared = shared_prefix_length(chat_prompts)
+    assert shared >= SHARED_PREFIX_MIN
+    calls = []
+    forward = SlotSequence._forward
+    monkeypatch.setattr(SlotSequence, "_forward", lambda self, ids, last=None: (calls.append(len(ids)),
+                                                                                 forward(self, ids, last))[1])
+    reference, onnx = _answer_both(model, targets, chat_prompts)
+    assert calls[: len(chat_prompts)] == [len(chat_prompts[0])] + [len(p) - shared for p in chat_prompts[1:]]
+    for seq, ref in zip(onnx, reference):
+        assert len(seq) == len(ref) == seq.prompt_len + NEW_TOKENS
+        assert mismatches(seq, ref, model) == []
+
+
 def test_a_shifted_row_fails_the_comparison(model, targets, prompts):
     """The comparison catches a one-position shift of the features or of the top-k rows, and a wrong answer."""
     from specpipe.distill.teacher import TeacherSequence
@@ -241,6 +270,53 @@ def test_teacher_candidates_and_the_choice():
     assert choose_teacher(both, cpu, lambda teacher: (lambda: 1), measure=fake).dtype == "torch bfloat16"
     alone = choose_teacher([Teacher("onnx", "int8-wo")], cpu, lambda teacher: pytest.fail("measured"), measure=fake)
     assert alone.dtype == "onnx int8-wo" and alone.tokens_per_s == {}
+
+
+def test_close_probes_go_to_a_run_off_on_the_runs_own_batch():
+    """The probe's 16 short rows rank the candidates; those within RUNOFF_WITHIN of the best answer the run's batch
+    and the fastest there is chosen (an AVX2 EPYC: int8-wo led the probe, fp32 the 48-row batches). A clear probe
+    winner needs no run-off."""
+    from specpipe.distill.teachers import RUNOFF_WITHIN, Teacher, choose_teacher, teacher_candidates
+
+    cpu = torch.device("cpu")
+    both = teacher_candidates("auto", "auto", cpu, ["none", "int8-wo"], ["answers"])
+    probe = {"torch float32": 38.0, "torch bfloat16": 16.0, "onnx fp32": 72.0, "onnx int8-wo": 84.0}
+    batch = {"torch float32": 40.0, "torch bfloat16": 20.0, "onnx fp32": 181.0, "onnx int8-wo": 142.0}
+    measured = []
+
+    def fake(calls, device):
+        kind = {call() for call in calls.values()}.pop()  # each call returns which measurement it is
+        measured.append((kind, sorted(calls)))
+        return {name: (probe if kind == "probe" else batch)[name] for name in calls}
+
+    choice = choose_teacher(both, cpu, lambda teacher: (lambda: "probe"), measure=fake,
+                            make_runoff=lambda teacher: (lambda: "batch"))
+    assert measured == [("probe", sorted(probe)), ("batch", ["onnx fp32", "onnx int8-wo"])]
+    assert choice.dtype == "onnx fp32"
+    assert choice.tokens_per_s == {**probe, "onnx fp32 (run-off)": 181.0, "onnx int8-wo (run-off)": 142.0}
+    assert "onnx fp32 (run-off) 181" in choice.describe()
+    measured.clear()
+    probe["onnx fp32"] = 84.0 * RUNOFF_WITHIN - 1  # clearly behind: the probe decides alone
+    choice = choose_teacher(both, cpu, lambda teacher: (lambda: "probe"), measure=fake,
+                            make_runoff=lambda teacher: pytest.fail("a run-off"))
+    assert choice.dtype == "onnx int8-wo" and [kind for kind, _ in measured] == ["probe"]
+
+
+def test_a_run_off_counts_its_first_calls():
+    """compare(warm_up=False): the candidates are warm from the probe, so a long call's first run is its measurement
+    (a 48-row run-off call takes seconds) and it is not run again."""
+    from specpipe.distill.precision import compare
+
+    counts = {"a": 0, "b": 0}
+
+    def call(name):
+        def run():
+            counts[name] += 1
+            return 10
+        return run
+
+    rates = compare({name: call(name) for name in counts}, torch.device("cpu"), seconds=0.0, warm_up=False)
+    assert counts == {"a": 1, "b": 1} and set(rates) == {"a", "b"}
 
 
 def test_distill_with_the_onnx_teacher_exports_each_precision_once(eight_layer_target, tmp_path, monkeypatch):

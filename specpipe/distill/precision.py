@@ -67,23 +67,29 @@ def _timed(call: Callable[[], int], device: torch.device) -> tuple[int, float]:
     return tokens, time.perf_counter() - t0
 
 
-def compare(calls: dict, device: torch.device, seconds: float = PROBE_SECONDS) -> dict:
+def compare(calls: dict, device: torch.device, seconds: float = PROBE_SECONDS, warm_up: bool = True) -> dict:
     """Tokens/s of each call (name -> call returning the tokens it processed), medians of calls taken in
     turn (A B A B ...), so a machine whose speed drifts (other jobs, turbo) shifts all alike.
 
     Each call runs once first, untimed (kernel creation, caches). A call whose first run took EMULATED_FACTOR
     times the fastest one's and over `seconds` (an emulated precision) is not run again: that run is its
     measurement. The others take turns: at least PROBE_MIN_ROUNDS rounds, or one when a call is longer than
-    `seconds`, until each had about `seconds`."""
+    `seconds`, until each had about `seconds`. `warm_up=False` (calls already warm): the first runs count as the
+    first round, so calls longer than `seconds` run once each."""
     first = {name: _timed(call, device) for name, call in calls.items()}
     fastest = min(dt for _, dt in first.values())
     rates: dict = {name: [] for name in calls}
     repeat = []
-    for name, (tokens, dt) in first.items():
-        if dt >= seconds and dt >= EMULATED_FACTOR * fastest:
+    if not warm_up:  # the first runs are the first round; short calls take more turns
+        for name, (tokens, dt) in first.items():
             rates[name].append(tokens / dt)
-        else:
-            repeat.append(name)
+        repeat = [] if all(dt >= seconds for _, dt in first.values()) else list(calls)
+    else:
+        for name, (tokens, dt) in first.items():
+            if dt >= seconds and dt >= EMULATED_FACTOR * fastest:
+                rates[name].append(tokens / dt)
+            else:
+                repeat.append(name)
     min_rounds = 1 if any(first[name][1] >= seconds for name in repeat) else PROBE_MIN_ROUNDS
     spent, rounds = 0.0, 0
     while repeat and rounds < PROBE_MAX_ROUNDS and (rounds < min_rounds or spent < seconds * len(repeat)):

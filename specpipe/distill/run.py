@@ -127,7 +127,7 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
     ONNX teacher answers on; made here for this call when not given."""
     from specpipe.checkpoint import cache_dir
     from specpipe.distill.prompts import training_prompts
-    from specpipe.distill.teacher import TeacherCache, generate_teacher_data, label_text, stdlib_windows
+    from specpipe.distill.teacher import TeacherCache, chat_ids, generate_teacher_data, label_text, stdlib_windows
     from specpipe.distill.teachers import PROBE_ROWS, Teacher, Teachers, choose_teacher, teacher_candidates
     from specpipe.distill.verdict import ExportedTargets
 
@@ -146,7 +146,9 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
                      "by it; not measured again)")
     else:
         probe_ids = [tokenizer(p["prompt"])["input_ids"] for p in prompts[:PROBE_ROWS]]
-        choice = choose_teacher(candidates, device, lambda teacher: teachers.probe(teacher, probe_ids))
+        batch_ids = chat_ids(tokenizer, prompts[: cfg.answer_batch]) if "answers" in cfg.data else None
+        choice = choose_teacher(candidates, device, lambda teacher: teachers.probe(teacher, probe_ids),
+                                make_runoff=(lambda teacher: teachers.runoff(teacher, batch_ids)) if batch_ids else None)
         progress.log(f"precision {choice.describe()}")
     precision["teacher"] = choice
     teacher = Teacher.parse(choice.dtype)

@@ -4,7 +4,7 @@
 
 The batch is the first --batch training prompts (a distill run's first teacher batch: greedy, features of the
 default EAGLE-3 layers, top-32), answered whole by each teacher in turn (A B C D, A B C D, ...), so load on a shared
-machine falls on all alike. Also prints what `--teacher-engine auto`'s probe picks, and how many answers equal the
+machine falls on all alike. Also prints what `--teacher-engine auto`'s probe (and its run-off) picks, and how many answers equal the
 torch fp32 teacher's. docs/eagle3.md section 3d has its numbers.
 """
 
@@ -34,6 +34,7 @@ def main(argv=None) -> None:
         from specpipe.checkpoint import load_causal_lm, load_tokenizer, resolve_checkpoint
         from specpipe.distill.prompts import training_prompts
         from specpipe.distill.run import _eos_ids
+        from specpipe.distill.teacher import chat_ids
         from specpipe.distill.teachers import PROBE_ROWS, Teacher, Teachers, choose_teacher
         from specpipe.distill.verdict import ExportedTargets
         from specpipe.export.features import default_layers
@@ -43,8 +44,7 @@ def main(argv=None) -> None:
         resolved = resolve_checkpoint(target)
         tokenizer, model = load_tokenizer(resolved.path), load_causal_lm(resolved.path)
         prompts = training_prompts(0)[:batch]
-        ids = [tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
-                                             tokenize=True) for p in prompts]
+        ids = chat_ids(tokenizer, prompts)
         eos = _eos_ids(resolved.path, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
         layers = default_layers(model.config.num_hidden_layers)
@@ -54,7 +54,8 @@ def main(argv=None) -> None:
             pool = Teachers(model, torch.device("cpu"), targets=targets, threads=threads, batch_rows=batch, top_k=32,
                             feature_layers=layers)
             probe_ids = [tokenizer(p["prompt"])["input_ids"] for p in prompts[:PROBE_ROWS]]
-            choice = choose_teacher(teachers, torch.device("cpu"), lambda t: pool.probe(t, probe_ids))
+            choice = choose_teacher(teachers, torch.device("cpu"), lambda t: pool.probe(t, probe_ids),
+                                    make_runoff=lambda t: pool.runoff(t, ids))
             click.echo(f"probe: {choice.describe()}")
             rates: dict = {t.name: [] for t in teachers}
             answers: dict = {}

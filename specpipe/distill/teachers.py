@@ -23,6 +23,12 @@ from specpipe.errors import UsageError
 PROBE_ROWS = 16
 PROBE_PROMPT_TOKENS = 16
 PROBE_NEW_TOKENS = 8
+# The run-off: candidates whose probe rate is within this share of the best's answer the run's own first batch (its
+# rows, its whole prompts, RUNOFF_NEW_TOKENS tokens each), and that decides. The probe's 16 rows cannot tell how a
+# row's cost grows up to the batch's 48: on an AVX2-only EPYC it put ONNX int8-wo and fp32 level (84 vs 72, 75 vs 75
+# tokens/s) where whole 48-row batches answered 1.25x faster in fp32 (docs/eagle3.md, "the teacher's run-off").
+RUNOFF_WITHIN = 0.8
+RUNOFF_NEW_TOKENS = 16
 QUANT_NAMES = {"none": "fp32"}  # a build --quant mode as a teacher's name says it
 
 
@@ -133,17 +139,45 @@ class Teachers:
 
         return call
 
+    def runoff(self, teacher: Teacher, prompt_ids: list[list[int]]) -> Callable[[], int]:
+        """A call answering the run's first batch (`prompt_ids`: chat-formatted, at most batch_rows of them) with
+        RUNOFF_NEW_TOKENS greedy tokens each, features included when the run keeps them: returns the answer tokens."""
+        rows = [list(ids) for ids in prompt_ids[: self.batch_rows]]
+        answer = self.answerer(teacher)
+
+        def call() -> int:
+            sequences = answer(rows, kinds=["probe"] * len(rows), max_new_tokens=RUNOFF_NEW_TOKENS, eos_token_ids=set(),
+                               pad_token_id=0, top_k=self.top_k, feature_layers=self.feature_layers)
+            return sum(s.answer_tokens for s in sequences)
+
+        return call
+
     def release(self) -> None:
         self.made.clear()
 
 
 def choose_teacher(names: Sequence[Teacher], device, make_call: Callable[[Teacher], Callable[[], int]],
-                   measure: Optional[Callable[..., dict]] = None):
+                   measure: Optional[Callable[..., dict]] = None,
+                   make_runoff: Optional[Callable[[Teacher], Callable[[], int]]] = None):
     """The fastest of `names` by its probe (precision.compare: interleaved, medians), as a PrecisionChoice of phase
-    "teacher" whose dtype is the teacher's name ("torch bfloat16", "onnx int8-wo"); one candidate is not measured."""
-    from specpipe.distill.precision import choose_precision, compare
+    "teacher" whose dtype is the teacher's name ("torch bfloat16", "onnx int8-wo"); one candidate is not measured.
+    With `make_runoff` (Teachers.runoff), the candidates within RUNOFF_WITHIN of the probe's best are measured again
+    on the run's own batch and the fastest there is chosen; its rates join the probe's, named "... (run-off)"."""
+    from specpipe.distill.precision import PrecisionChoice, choose_precision, compare
 
     by_name = {t.name: t for t in names}
     requested = "auto" if len(by_name) > 1 else next(iter(by_name))
-    return choose_precision("teacher", requested, device, lambda name: make_call(by_name[name]), names=list(by_name),
-                            measure=measure or compare)
+    measure = measure or compare
+    probed = choose_precision("teacher", requested, device, lambda name: make_call(by_name[name]), names=list(by_name),
+                              measure=measure)
+    if make_runoff is None or not probed.tokens_per_s:
+        return probed
+    best = max(probed.tokens_per_s.values())
+    close = [name for name, rate in probed.tokens_per_s.items() if rate >= RUNOFF_WITHIN * best]
+    if len(close) < 2:
+        return probed
+    # the probe warmed the candidates (kernels, the batch's buffers): a run-off call (seconds) counts from the first
+    runoff_measure = functools.partial(compare, warm_up=False) if measure is compare else measure
+    rates = runoff_measure({name: make_runoff(by_name[name]) for name in close}, device)
+    return PrecisionChoice("teacher", max(rates, key=rates.get),
+                           {**probed.tokens_per_s, **{f"{name} (run-off)": rate for name, rate in rates.items()}})

@@ -24,6 +24,7 @@ overwrites them. That is what lets a batched call carry rows that have nothing t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -354,6 +355,14 @@ class KVBatch(EngineBatch):
         self._bindings = {}  # they hold the old buffers
 
 
+@dataclass(frozen=True)
+class KVPrefix:
+    """Tokens and, per KV input, their keys or values [kv_heads, len(tokens), head_dim] (SlotSequence.save_prefix)."""
+
+    tokens: tuple[int, ...]
+    kv: list[np.ndarray]
+
+
 class SlotSequence(EngineSequence):
     """One row of a KVBatch: its keys and values live in slot `slot` of the batch's buffer."""
 
@@ -378,6 +387,28 @@ class SlotSequence(EngineSequence):
         self.features = features[0, :new_len].copy()
         return logits[0].copy()
 
+    def save_prefix(self, length: int) -> "KVPrefix":
+        """A copy of this row's first `length` cached tokens and their keys and values, for rows that start with
+        the same tokens (`load_prefix`): their calls then run only what follows it."""
+        if not 0 < length <= len(self.tokens):
+            raise ValueError(f"cannot save a {length}-token prefix of a {len(self.tokens)}-token row")
+        return KVPrefix(tuple(self.tokens[:length]),
+                        [buffer[self.slot, :, :length].copy() for buffer in self.batch.buffers])
+
+    def load_prefix(self, prefix: "KVPrefix") -> None:
+        """Start this empty row with `prefix` cached, as if its tokens had been appended (a copy of the keys and
+        values; positions are a row's token count, so nothing else changes)."""
+        if self.slot < 0:
+            raise EngineError("this row was released")
+        if len(self.tokens):
+            raise EngineError("load_prefix() takes a row with nothing cached")
+        if len(prefix.kv) != len(self.batch.buffers):
+            raise EngineError("the prefix was saved from another engine")
+        self.batch._reserve(len(prefix.tokens))
+        for buffer, kv in zip(self.batch.buffers, prefix.kv):
+            buffer[self.slot, :, : len(prefix.tokens)] = kv
+        self.tokens.extend(prefix.tokens)
+
     def keep_features(self) -> None:
         if not self.batch.engine.feature_layers:
             raise EngineError(f"{self.batch.engine.folder} was exported without feature outputs")
@@ -391,4 +422,4 @@ def is_shared_kv(folder: Path) -> bool:
     return read_engine_meta(folder).get("kv_layout") == KV_LAYOUT
 
 
-__all__ = ["ENGINE_META", "KVBatch", "KVBinding", "SharedKVEngine", "SlotSequence", "is_shared_kv"]
+__all__ = ["ENGINE_META", "KVBatch", "KVBinding", "KVPrefix", "SharedKVEngine", "SlotSequence", "is_shared_kv"]
