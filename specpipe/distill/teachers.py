@@ -130,23 +130,18 @@ class Teachers:
         """A call answering PROBE_ROWS (at most a batch) short prompts (real prompts' first tokens) with PROBE_NEW_TOKENS greedy tokens
         each, features included when the run keeps them: returns the answer tokens it made."""
         rows = [list(prompt_ids[i % len(prompt_ids)][:PROBE_PROMPT_TOKENS]) for i in range(min(PROBE_ROWS, self.batch_rows))]
-        answer = self.answerer(teacher)
-
-        def call() -> int:
-            sequences = answer(rows, kinds=["probe"] * len(rows), max_new_tokens=PROBE_NEW_TOKENS, eos_token_ids=set(),
-                               pad_token_id=0, top_k=self.top_k, feature_layers=self.feature_layers)
-            return sum(s.answer_tokens for s in sequences)
-
-        return call
+        return self._answering(teacher, rows, PROBE_NEW_TOKENS)
 
     def runoff(self, teacher: Teacher, prompt_ids: list[list[int]]) -> Callable[[], int]:
         """A call answering the run's first batch (`prompt_ids`: chat-formatted, at most batch_rows of them) with
         RUNOFF_NEW_TOKENS greedy tokens each, features included when the run keeps them: returns the answer tokens."""
-        rows = [list(ids) for ids in prompt_ids[: self.batch_rows]]
+        return self._answering(teacher, [list(ids) for ids in prompt_ids[: self.batch_rows]], RUNOFF_NEW_TOKENS)
+
+    def _answering(self, teacher: Teacher, rows: list[list[int]], new_tokens: int) -> Callable[[], int]:
         answer = self.answerer(teacher)
 
         def call() -> int:
-            sequences = answer(rows, kinds=["probe"] * len(rows), max_new_tokens=RUNOFF_NEW_TOKENS, eos_token_ids=set(),
+            sequences = answer(rows, kinds=["probe"] * len(rows), max_new_tokens=new_tokens, eos_token_ids=set(),
                                pad_token_id=0, top_k=self.top_k, feature_layers=self.feature_layers)
             return sum(s.answer_tokens for s in sequences)
 
