@@ -26,7 +26,7 @@ PROBE_NEW_TOKENS = 8
 # The run-off: candidates whose probe rate is within this share of the best's answer the run's own first batch (its
 # rows, its whole prompts, RUNOFF_NEW_TOKENS tokens each), and that decides. The probe's 16 rows cannot tell how a
 # row's cost grows up to the batch's 48: on an AVX2-only EPYC it put ONNX int8-wo and fp32 level (84 vs 72, 75 vs 75
-# tokens/s) where whole 48-row batches answered 1.25x faster in fp32 (docs/eagle3.md, "the teacher's run-off").
+# tokens/s) where whole 48-row batches answered 1.25x faster in fp32 (docs/eagle3.md 3o).
 RUNOFF_WITHIN = 0.8
 RUNOFF_NEW_TOKENS = 16
 QUANT_NAMES = {"none": "fp32"}  # a build --quant mode as a teacher's name says it
