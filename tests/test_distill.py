@@ -363,7 +363,8 @@ def test_distill_on_cuda_answers_and_trains_on_the_gpu(tiny_target, cache, tmp_p
                                minutes=10))
     record = result.record
     assert record["device"].startswith("cuda")
-    assert set(record["precision"]["teacher"]["tokens_per_s"]) == {"torch float32", "torch bfloat16", "torch float16"}
+    probed = {name for name in record["precision"]["teacher"]["tokens_per_s"] if not name.endswith(" (run-off)")}
+    assert probed == {"torch float32", "torch bfloat16", "torch float16"}  # plus a run-off's rates where probes were close
     assert record["training"]["tokens_seen"] >= 1500
     history = record["training"]["history"]
     assert not history or history[-1][2] < history[0][2] or record["training"]["steps"] < 20
