@@ -390,15 +390,53 @@ def test_verdict_says_when_it_cannot_predict(tmp_path):
 
 
 def test_a_work_budget_lets_training_use_the_time_the_answers_left():
-    """--minutes is a cap with --train-tokens: training may run to the end of it (the answers took less than their
-    share); with a time budget training keeps its share whatever the answers took."""
-    from specpipe.distill.config import DistillConfig
+    """--minutes is a cap with --train-tokens: training runs to the end of it, whatever the phases before it took
+    (less than their share: it gains; more: it loses, down to TRAIN_FLOOR of its share); a resumed run keeps what it
+    trained. With a time budget training keeps its share whatever the answers took."""
+    from specpipe.distill.config import TRAIN_FLOOR, DistillConfig
 
     work = DistillConfig(target="t", out="o", kind="eagle3", minutes=18, answer_tokens=80_000, train_tokens=900_000)
     assert work.train_budget_s(240.0) == pytest.approx(18 * 60 - 240)  # answers took 4 of their 10.8 minutes
-    assert work.train_budget_s(900.0) == pytest.approx(18 * 60 * 0.4)  # they overran: training keeps its share
+    assert work.train_budget_s(700.0) == pytest.approx(18 * 60 - 700)  # loading and the probe took 52 s over theirs
+    assert work.train_budget_s(1070.0) == pytest.approx(TRAIN_FLOOR * 18 * 60 * 0.4)  # nothing left: the floor
+    assert work.train_budget_s(700.0, trained_s=100.0) == pytest.approx(100 + 18 * 60 - 700)  # --resume
     timed = DistillConfig(target="t", out="o", kind="eagle3", minutes=18)
     assert timed.train_budget_s(240.0) == pytest.approx(18 * 60 * 0.4)
+    assert timed.train_budget_s(900.0) == pytest.approx(18 * 60 * 0.4)
+
+
+def test_a_work_budget_stops_the_answers_at_their_share_counted_from_the_runs_start(tiny_target, tmp_path, monkeypatch):
+    """With --answer-tokens, --minutes caps the whole run: the time before the answers (loading the target, exporting
+    its engines, the teacher probe) comes out of their share instead of on top of the cap, never below MIN_ANSWER_S.
+    Without the run's start the answers get their whole share."""
+    import time
+
+    from specpipe.distill import teacher as teacher_module
+    from specpipe.distill.progress import SilentProgress
+    from specpipe.distill.run import MIN_ANSWER_S, _eos_ids, _teacher_data, open_target
+
+    asked = []
+    real = teacher_module.generate_teacher_data
+
+    def spy(*args, budget_s, **kwargs):
+        asked.append(budget_s)
+        return real(*args, budget_s=budget_s, **kwargs)
+
+    monkeypatch.setattr(teacher_module, "generate_teacher_data", spy)
+    cfg = _tiny_cfg(tiny_target, tmp_path / "d", minutes=1.0, answer_tokens=30, teacher_engine="torch",
+                    teacher_dtype="float32")
+    share = 60 * cfg.data_fraction
+    _, device, target, tokenizer, model = open_target(cfg)
+    eos_ids = _eos_ids(target.path, tokenizer)
+    for name, gone in (("whole", None), ("most", 0.8 * share), ("all", 2 * share)):
+        monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / name))  # each run answers afresh
+        started = None if gone is None else time.perf_counter() - gone
+        sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, SilentProgress(), device, {}, started=started)
+        assert sequences  # a batch cut short keeps its answers
+    whole, most, gone_all = asked
+    assert whole == pytest.approx(share)
+    assert MIN_ANSWER_S <= most <= share - 0.8 * share
+    assert gone_all == MIN_ANSWER_S
 
 
 def test_the_learning_rate_anneals_by_whichever_budget_ends_first():

@@ -31,6 +31,9 @@ DISTILL_DEVICE_DEFAULTS: dict[str, dict[str, dict[str, float]]] = {
     "cpu": {"model": {"answer_batch": 48}, "eagle3": {"answer_batch": 48}},
     "cuda": {"model": {"answer_batch": 256}, "eagle3": {"answer_batch": 256, "batch_tokens": 4096}},
 }
+# With a work budget, training's least share of its minutes when the phases before it overran theirs (a run that
+# trains nothing is not worth its minutes); the answers stop at their own share, so only loading and probing can.
+TRAIN_FLOOR = 0.1
 
 
 def _cuda_visible() -> bool:
@@ -60,7 +63,8 @@ class DistillConfig(Strict):
     )
     minutes: float = Field(
         12.0, gt=0, description="time budget in minutes: target answers + training; with --answer-tokens/--train-tokens "
-        "a cap, not the budget: the answers stop at their share of the minutes, training at the end of the minutes"
+        "a cap on the whole run, not the budget: counted from its start, the answers stop at their share of the minutes, "
+        "training at their end (then held-out scoring and the verdict)"
     )
     answer_tokens: Optional[int] = Field(
         None, ge=1, description="work budget: generate target answers until they hold this many tokens (the same data "
@@ -150,12 +154,15 @@ class DistillConfig(Strict):
             values = {**values, **unset}
         return values
 
-    def train_budget_s(self, elapsed_s: float) -> float:
-        """Seconds training may take, `elapsed_s` into the run. A time budget splits --minutes: training gets its
-        share (1 - data_fraction). A work budget (--train-tokens) makes --minutes a cap on the whole run, so training
-        may also use what the answers left of their share: the session-15 demo's answers took 4 of their 10.8
-        minutes, and training stopped at its 7.2-minute share with 669k of its 900k tokens."""
+    def train_budget_s(self, elapsed_s: float, trained_s: float = 0.0) -> float:
+        """Seconds of training the run may reach, `elapsed_s` into this process's run, `trained_s` of them already
+        spent by an earlier one (--resume). A time budget splits --minutes: training gets its share (1 -
+        data_fraction). A work budget (--train-tokens) makes --minutes a cap on the whole run: training ends where
+        the minutes do, so it also uses what the answers left of their share (the session-15 demo's answers took 4
+        of their 10.8 minutes, and training stopped at its 7.2-minute share with 669k of its 900k tokens), and
+        loses what the phases before it took over theirs (loading, exporting, the teacher probe: they used to come
+        on top, 102 s past the cap in the session-29 demo), never below TRAIN_FLOOR of its share."""
         share = self.minutes * 60 * (1 - self.data_fraction)
         if not self.train_tokens:
             return share
-        return max(share, self.minutes * 60 - elapsed_s)
+        return trained_s + max(TRAIN_FLOOR * share, self.minutes * 60 - elapsed_s)

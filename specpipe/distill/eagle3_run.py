@@ -42,7 +42,8 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     from specpipe.distill.acceptance import head_chain_hits_alone_and_with_lookup
     from specpipe.distill.eagle3 import head_vocab_size, load_head_weights, make_head
     from specpipe.distill.eagle3_train import HeadTrainer
-    from specpipe.distill.run import STATE_DIR, DistillResult, _eos_ids, _teacher_data, open_target, set_train_precision
+    from specpipe.distill.run import (STATE_DIR, DistillResult, _eos_ids, _teacher_data, open_target, resume_and_budget,
+                                      set_train_precision)
     from specpipe.distill.verdict import ExportedTargets
     from specpipe.export.features import check_layers, default_layers
     from specpipe.machine import describe_machine
@@ -66,7 +67,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     targets = ExportedTargets(target.path, layers)
     precision: dict = {}
     sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress, device, precision, feature_layers=layers,
-                              targets=targets)
+                              targets=targets, started=started)
     train_set, held_out = split_by_prompt(sequences)
     counts = count_tokens(train_set, model.config.vocab_size)
     vocab_ids = top_token_ids(counts, vocab_size, always=eos_ids)
@@ -80,14 +81,13 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     state_path = out / STATE_DIR / "state.pt"
     if cfg.force and out.is_dir() and not cfg.resume:
         shutil.rmtree(out)
-    train_budget_s = cfg.train_budget_s(time.perf_counter() - started)
-    trainer = HeadTrainer(head, train_set, steps=cfg.ttt_steps, decay=cfg.ttt_decay, budget_s=train_budget_s, lr=cfg.lr,
+    trainer = HeadTrainer(head, train_set, steps=cfg.ttt_steps, decay=cfg.ttt_decay,
+                          budget_s=cfg.train_budget_s(time.perf_counter() - started), lr=cfg.lr,
                           batch_tokens=cfg.batch_tokens, negatives=cfg.negatives, prompt_weight=cfg.prompt_weight,
                           seed=cfg.seed, state_path=state_path, checkpoint_every=cfg.checkpoint_every,
                           budget_tokens=cfg.train_tokens, held_out=held_out)
     choice = set_train_precision(cfg, device, trainer, precision, progress)
-    if cfg.resume:
-        trainer.load()
+    train_budget_s = resume_and_budget(cfg, trainer, started, progress)
     total = cfg.train_tokens or train_budget_s
     progress.phase("train", total, f"training EAGLE-3 head ({choice.dtype})")
     state = trainer.run(on_step=lambda r: progress.update(

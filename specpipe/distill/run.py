@@ -19,6 +19,7 @@ from specpipe.errors import OutputExistsError, UsageError
 STATE_DIR = ".distill"  # inside OUT while training: the resumable state; removed when the draft is written
 RECORD = DISTILL_RECORD  # inside the finished OUT: how the draft was made and how well it agrees
 HELD_OUT_MAX = 24  # answers kept out of training to measure agreement on unseen prompts
+MIN_ANSWER_S = 1.0  # the least time the answers get when the phases before them took their whole share
 
 
 @dataclass
@@ -119,12 +120,15 @@ def _cached_teacher(cfg: DistillConfig, root: Path, target, prompts: list[dict],
 
 
 def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int], progress: DistillProgress,
-                  device, precision: dict, feature_layers: tuple[int, ...] = (), targets=None):
+                  device, precision: dict, feature_layers: tuple[int, ...] = (), targets=None,
+                  started: Optional[float] = None):
     """Generate (or reuse) the target's answers and, if asked, labelled stdlib text. Returns sequences.
     Sets precision["teacher"] to the PrecisionChoice it used (its dtype: the teacher's name, teachers.Teacher).
     `feature_layers`: the answers also carry the target's residual stream after those layers (EAGLE-3 features,
     recorded in the same forward passes). `targets`: the run's exported targets (verdict.ExportedTargets), which an
-    ONNX teacher answers on; made here for this call when not given."""
+    ONNX teacher answers on; made here for this call when not given. `started` (a time.perf_counter() value): when
+    the run began; with a work budget the answers stop at their share of --minutes counted from it, so loading the
+    target, exporting its engines and the teacher probe come out of that share, not on top of the cap."""
     from specpipe.checkpoint import cache_dir
     from specpipe.distill.prompts import training_prompts
     from specpipe.distill.teacher import TeacherCache, chat_ids, generate_teacher_data, label_text, stdlib_windows
@@ -172,8 +176,11 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
                                 tok_s=tokens / seconds if seconds else 0.0)
 
             progress.update(done_so_far(), answers=cache.answered)
+            answer_s = budget_s
+            if budget_tokens and started is not None:  # at least a moment: a batch cut short keeps its answers
+                answer_s = max(MIN_ANSWER_S, started + budget_s - time.perf_counter())
             generate_teacher_data(
-                teachers.answerer(teacher), tokenizer, cache, prompts, budget_s=budget_s, budget_tokens=budget_tokens,
+                teachers.answerer(teacher), tokenizer, cache, prompts, budget_s=answer_s, budget_tokens=budget_tokens,
                 batch_size=cfg.answer_batch, max_new_tokens=cfg.max_answer_tokens, eos_token_ids=eos_ids,
                 top_k=cfg.teacher_top_k, sample_temperature=cfg.sample_temperature, seed=cfg.seed, on_batch=on_batch,
                 feature_layers=feature_layers,
@@ -217,6 +224,17 @@ def set_train_precision(cfg: DistillConfig, device, trainer, precision: dict, pr
     return choice
 
 
+def resume_and_budget(cfg: DistillConfig, trainer, started: float, progress: DistillProgress) -> float:
+    """Load the saved training state (--resume), then set the trainer's time budget from the clock as it stands
+    (after the precision probe: a cap counts it too). Returns the budget."""
+    if cfg.resume:
+        trainer.load()
+    trainer.budget_s = cfg.train_budget_s(time.perf_counter() - started, trainer.state.elapsed_s)
+    if cfg.resume:
+        progress.log(f"resumed at step {trainer.state.step} ({trainer.state.elapsed_s:.0f} s of {trainer.budget_s:.0f} s)")
+    return trainer.budget_s
+
+
 def open_target(cfg: DistillConfig):
     """What both kinds start from: OUT checked, the device and threads set, the target resolved and loaded.
     Returns (out, device, target, tokenizer, model)."""
@@ -255,7 +273,8 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
     targets = ExportedTargets(target.path)
 
     precision: dict = {}
-    sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress, device, precision, targets=targets)
+    sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress, device, precision, targets=targets,
+                              started=started)
     held_out = [s for i, s in enumerate(sequences) if s.prompt_len and i % 20 == 19][:HELD_OUT_MAX]
     held_ids = {id(s) for s in held_out}
     train_set = [s for s in sequences if id(s) not in held_ids] or sequences
@@ -266,14 +285,12 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
     state_path = out / STATE_DIR / "state.pt"
     if cfg.force and out.is_dir() and not cfg.resume:
         shutil.rmtree(out)
-    train_budget_s = cfg.train_budget_s(time.perf_counter() - started)
-    trainer = Trainer(student, train_set, budget_s=train_budget_s, lr=cfg.lr, batch_tokens=cfg.batch_tokens,
-                      negatives=cfg.negatives, prompt_weight=cfg.prompt_weight, seed=cfg.seed, state_path=state_path,
-                      checkpoint_every=cfg.checkpoint_every, budget_tokens=cfg.train_tokens, held_out=held_out)
+    trainer = Trainer(student, train_set, budget_s=cfg.train_budget_s(time.perf_counter() - started), lr=cfg.lr,
+                      batch_tokens=cfg.batch_tokens, negatives=cfg.negatives, prompt_weight=cfg.prompt_weight,
+                      seed=cfg.seed, state_path=state_path, checkpoint_every=cfg.checkpoint_every,
+                      budget_tokens=cfg.train_tokens, held_out=held_out)
     choice = set_train_precision(cfg, device, trainer, precision, progress)
-    if cfg.resume:
-        trainer.load()
-        progress.log(f"resumed at step {trainer.state.step} ({trainer.state.elapsed_s:.0f} s of {train_budget_s:.0f} s)")
+    train_budget_s = resume_and_budget(cfg, trainer, started, progress)
     total = cfg.train_tokens or train_budget_s
     progress.phase("train", total, f"training draft ({choice.dtype})")
     state = trainer.run(on_step=lambda r: progress.update(
