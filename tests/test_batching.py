@@ -606,6 +606,44 @@ def test_a_request_beyond_the_queue_is_refused_at_once(pair):
     first.close(), second.close()
 
 
+@pytest.mark.timing
+def test_close_ends_the_thread_after_its_engine_call_and_fails_what_is_left(pair):
+    """close() (also run at exit for every scheduler left open: a thread left inside ONNX Runtime while the
+    interpreter tore it down aborted the process) lets the engine call in progress finish, then ends the thread;
+    the running and the queued request each get an error, and new requests are refused."""
+    import threading
+
+    scheduler = scheduler_for(pair, drafter="ngram", max_batch_size=1, max_queue=2)
+    cfg = GenerationConfig(max_new_tokens=200, stop_on_eos=False, speculative=False)
+    inside, release = threading.Event(), threading.Event()
+    decode = scheduler.batch.decode
+
+    def held(*args, **kwargs):  # the test decides when the engine call in progress ends
+        inside.set()
+        assert release.wait(60)
+        return decode(*args, **kwargs)
+
+    scheduler.batch.decode = held
+    first = scheduler.decode([5, 6, 7], cfg, SpecStats())
+    assert next(first)  # its prompt ran; its next step waits inside the engine call
+    assert inside.wait(60)
+    second = scheduler.decode([5, 6, 7], cfg, SpecStats())  # one row: it queues
+    closer = threading.Thread(target=scheduler.close)
+    closer.start()
+    while not scheduler._closing:  # close() has asked; the engine call is still in progress
+        closer.join(0.01)
+    assert scheduler._thread.is_alive()
+    release.set()
+    closer.join(60)
+    assert not closer.is_alive() and not scheduler._thread.is_alive()
+    for stream in (first, second):
+        with pytest.raises(ServerBusyError, match="closed"):
+            list(stream)
+    assert scheduler.running == [] and not scheduler.waiting and len(scheduler.batch.rows) == 0
+    with pytest.raises(ServerBusyError, match="closed"):
+        scheduler.decode([5, 6, 7], cfg, SpecStats())
+
+
 # ---- batched drafting ---------------------------------------------------------------------------------
 
 

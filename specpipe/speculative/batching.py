@@ -32,9 +32,11 @@ rows in the call (greedy equivalence, tests/test_batching.py).
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
@@ -51,6 +53,19 @@ from specpipe.speculative.settle import RequestState, settle
 from specpipe.speculative.stats import SpecStats
 
 _DONE = object()  # end of a request's token stream
+CLOSE_WAIT_S = 30.0  # how long close() waits for the step in progress (an engine call cannot be stopped half-way)
+_LIVE: "weakref.WeakSet[BatchScheduler]" = weakref.WeakSet()  # every scheduler not yet closed, for _close_all
+
+
+def _close_all() -> None:
+    """At exit, stop every scheduler's thread before the interpreter tears the runtimes down: a daemon thread still
+    inside ONNX Runtime then aborted the process ("terminate called without an active exception", exit -6: once in
+    `make test-stress`, after every test had passed)."""
+    for scheduler in list(_LIVE):
+        scheduler.close()
+
+
+atexit.register(_close_all)
 
 
 class ServerBusyError(UsageError):
@@ -121,6 +136,19 @@ class BatchScheduler:
         self.thread_id: Optional[int] = None
         self.trace: Optional[StepTrace] = None  # set to a StepTrace to record every engine call (a profile)
         self._outbox: list[tuple[queue.Queue, object]] = []  # readers' items, handed over at the next engine call
+        self._closing = False
+        _LIVE.add(self)
+
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Stop serving: the thread ends after the step it is in, and every request still queued or running gets an
+        error. Requests submitted afterwards are refused."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        _LIVE.discard(self)
 
     def _hand_over(self, request: _Request, item) -> None:
         self._outbox.append((request.out, item))
@@ -148,6 +176,8 @@ class BatchScheduler:
         eos = self.eos_token_ids if eos_token_ids is None else set(int(t) for t in eos_token_ids)
         request = _Request(list(prompt_ids), cfg, stats, eos)
         with self._wake:
+            if self._closing:
+                raise ServerBusyError("the scheduler is closed: the server is shutting down")
             in_flight = len(self.waiting) + len(self.running)
             if in_flight >= self.max_batch_size + self.max_queue:
                 raise ServerBusyError(f"server busy: {len(self.running)} requests running and {len(self.waiting)} "
@@ -207,9 +237,15 @@ class BatchScheduler:
         self.thread_id = threading.get_native_id()  # the kernel's id: a profile reads this thread's CPU time
         while True:
             with self._wake:
-                while not self.waiting and not self.running:
+                while not self.waiting and not self.running and not self._closing:
                     self._deliver()
                     self._wake.wait()
+                if self._closing:
+                    for request in [*self.running, *self.waiting]:
+                        self._fail(request, ServerBusyError("the scheduler was closed: the server is shutting down"))
+                    self.waiting.clear()
+                    self._deliver()
+                    return
                 self._admit()
             try:
                 self.step()
