@@ -58,9 +58,9 @@ _LIVE: "weakref.WeakSet[BatchScheduler]" = weakref.WeakSet()  # every scheduler 
 
 
 def _close_all() -> None:
-    """At exit, stop every scheduler's thread before the interpreter tears the runtimes down: a daemon thread still
-    inside ONNX Runtime then aborted the process ("terminate called without an active exception", exit -6: once in
-    `make test-stress`, after every test had passed)."""
+    """At exit, stop every scheduler's thread before the interpreter tears the runtimes down. A daemon thread left
+    inside ONNX Runtime then is the likely cause (not proven: seen once, no stack) of a process that aborted at exit
+    ("terminate called without an active exception", exit -6) in `make test-stress` after every test had passed."""
     for scheduler in list(_LIVE):
         scheduler.close()
 
