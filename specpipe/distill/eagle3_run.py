@@ -42,8 +42,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     from specpipe.distill.acceptance import head_chain_hits_alone_and_with_lookup
     from specpipe.distill.eagle3 import head_vocab_size, load_head_weights, make_head
     from specpipe.distill.eagle3_train import HeadTrainer
-    from specpipe.distill.run import (STATE_DIR, DistillResult, _eos_ids, _teacher_data, open_target, resume_and_budget,
-                                      set_train_precision)
+    from specpipe.distill.run import STATE_DIR, DistillResult, _eos_ids, _teacher_data, open_target, train_phase
     from specpipe.distill.verdict import ExportedTargets
     from specpipe.export.features import check_layers, default_layers
     from specpipe.machine import describe_machine
@@ -86,14 +85,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
                           batch_tokens=cfg.batch_tokens, negatives=cfg.negatives, prompt_weight=cfg.prompt_weight,
                           seed=cfg.seed, state_path=state_path, checkpoint_every=cfg.checkpoint_every,
                           budget_tokens=cfg.train_tokens, held_out=held_out)
-    choice = set_train_precision(cfg, device, trainer, precision, progress)
-    train_budget_s = resume_and_budget(cfg, trainer, started, progress)
-    total = cfg.train_tokens or train_budget_s
-    progress.phase("train", total, f"training EAGLE-3 head ({choice.dtype})")
-    state = trainer.run(on_step=lambda r: progress.update(
-        min(r.tokens_seen if cfg.train_tokens else r.elapsed_s, total), loss=r.loss, agree=r.agreement,
-        tok_s=r.tokens_per_s))
-    trainer.save()
+    state = train_phase(cfg, device, trainer, precision, started, progress, "EAGLE-3 head")
 
     best = trainer.best
     parameters = sum(p.numel() for p in head.parameters())

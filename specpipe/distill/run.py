@@ -212,27 +212,32 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
     return sequences
 
 
-def set_train_precision(cfg: DistillConfig, device, trainer, precision: dict, progress: DistillProgress):
-    """Choose the trainer's dtype (cfg.train_dtype, or measured with its probe), record it in `precision`, say it.
-    fp16 training would need loss scaling: the candidates are fp32 and bf16 on any device."""
+def train_phase(cfg: DistillConfig, device, trainer, precision: dict, started: float, progress: DistillProgress,
+                what: str):
+    """The training both kinds share: the trainer's dtype (cfg.train_dtype, or measured with its probe; fp16 would need
+    loss scaling, so the candidates are fp32 and bf16 on any device), recorded in `precision`; the saved state on
+    --resume; the time budget from the clock as it stands (after the probe: a cap counts it too); the run, with
+    progress on `what`; the state saved. Returns the final training state."""
     from specpipe.distill.precision import choose_precision
 
     choice = choose_precision("train", cfg.train_dtype, device, trainer.probe, options=["float32", "bfloat16"])
     precision["train"] = choice
     trainer.dtype = choice.dtype
     progress.log(f"precision {choice.describe()}")
-    return choice
-
-
-def resume_and_budget(cfg: DistillConfig, trainer, started: float, progress: DistillProgress) -> float:
-    """Load the saved training state (--resume), then set the trainer's time budget from the clock as it stands
-    (after the precision probe: a cap counts it too). Returns the budget."""
     if cfg.resume:
         trainer.load()
     trainer.budget_s = cfg.train_budget_s(time.perf_counter() - started, trainer.state.elapsed_s)
     if cfg.resume:
         progress.log(f"resumed at step {trainer.state.step} ({trainer.state.elapsed_s:.0f} s of {trainer.budget_s:.0f} s)")
-    return trainer.budget_s
+    total = cfg.train_tokens or trainer.budget_s
+    progress.phase("train", total, f"training {what} ({choice.dtype})")
+    state = trainer.run(on_step=lambda r: progress.update(
+        min(r.tokens_seen if cfg.train_tokens else r.elapsed_s, total), loss=r.loss, agree=r.agreement,
+        tok_s=r.tokens_per_s))
+    trainer.save()
+    if cfg.train_tokens and state.tokens_seen < cfg.train_tokens:
+        progress.log(f"time cap (--minutes) reached at {state.tokens_seen:,} of {cfg.train_tokens:,} training tokens")
+    return state
 
 
 def open_target(cfg: DistillConfig):
@@ -289,16 +294,7 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
                       batch_tokens=cfg.batch_tokens, negatives=cfg.negatives, prompt_weight=cfg.prompt_weight,
                       seed=cfg.seed, state_path=state_path, checkpoint_every=cfg.checkpoint_every,
                       budget_tokens=cfg.train_tokens, held_out=held_out)
-    choice = set_train_precision(cfg, device, trainer, precision, progress)
-    train_budget_s = resume_and_budget(cfg, trainer, started, progress)
-    total = cfg.train_tokens or train_budget_s
-    progress.phase("train", total, f"training draft ({choice.dtype})")
-    state = trainer.run(on_step=lambda r: progress.update(
-        min(r.tokens_seen if cfg.train_tokens else r.elapsed_s, total), loss=r.loss, agree=r.agreement,
-        tok_s=r.tokens_per_s))
-    trainer.save()
-    if cfg.train_tokens and state.tokens_seen < cfg.train_tokens:
-        progress.log(f"time cap (--minutes) reached at {state.tokens_seen:,} of {cfg.train_tokens:,} training tokens")
+    state = train_phase(cfg, device, trainer, precision, started, progress, "draft")
 
     best = trainer.best
     record = {
