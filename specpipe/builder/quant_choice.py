@@ -16,7 +16,12 @@ The rule (`choose`, a pure function of those numbers):
 So with --max-batch-size 1 the choice is one-stream speed. Measured examples: on a Zen 4 CPU with VNNI, int8-wo
 decodes one row 2.4x and 16 rows 1.3x as fast as fp32: int8-wo. On an AVX2 CPU without VNNI, int8-wo decodes one
 row ~2x as fast but 16 rows at 0.84x: fp32 for a 16-request server, int8-wo for --max-batch-size 1.
-Speculation and prefill are left out: they cost the same share of a step at every precision, to first order.
+Prefill is left out: it costs about the same share of a step at every precision. Speculation is left out too: at
+full load the batch planner turns it off, so the rule's goodput is what runs there. At one stream it is not the
+same at every precision: a draft pays more against a slower target (AVX2 Zen 3, session 31, one head on the 12
+held-out code prompts: 1.43x against fp32, 42.4 tokens/s; 1.07x against int8-wo, 79.9, where int8-wo alone ran 74.8),
+so a target deployed for its full-load goodput may serve one stream slower with its draft than another precision
+alone (docs/quantization.md). The draft is chosen after the precision (builder/draft_choice.py).
 """
 
 from __future__ import annotations
