@@ -55,6 +55,11 @@ def choose(candidates: Sequence[QuantCandidate], load_rows: int) -> tuple[str, s
     others = [c for c in tied if c is not chosen]
     if others:
         reason += (f"; {', '.join(name(c.mode) for c in others)} within {LOAD_TIE:.0%} at full load, slower alone")
+    alone = max(eligible, key=lambda c: c.tokens_per_s(1))
+    if load_rows > 1 and alone.tokens_per_s(1) > chosen.tokens_per_s(1):  # the trade the full load made, said
+        reason += (f"; {name(alone.mode)} is faster for one stream ({alone.tokens_per_s(1):.1f} tok/s, "
+                   f"{alone.tokens_per_s(1) / chosen.tokens_per_s(1):.2f}x) and {full[alone.mode] / best_full:.2f}x "
+                   f"at full load")
     over = [name(c.mode) for c in candidates if not c.within_budget]
     if over:
         reason += f"; over the accuracy budget: {', '.join(over)}"
