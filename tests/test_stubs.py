@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import specpipe
-from specpipe.triton.stubs import (SHM_DIR, Cleanup, _cmdline, clean_leftovers, clean_server, read_stub, repository_prefix,
+from specpipe.triton.stubs import (SHM_DIR, Cleanup, _argv, clean_leftovers, clean_server, read_stub, repository_prefix,
                                    shm_prefix)
 
 PROJECT_ROOT = Path(specpipe.__file__).resolve().parents[1]
@@ -32,16 +32,9 @@ def test_leftover_regions_of_this_repository_go_and_those_in_use_or_of_others_st
     stale = _region(shm_prefix(repo, "0badcafe") + "uuid-1")
     in_use = _region(shm_prefix(repo, "00c0ffee") + "uuid-2")
     others = _region(shm_prefix(other, "0badcafe") + "uuid-3")
-    # A running process whose command line names a prefix stands for the server that uses those regions.
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", shm_prefix(repo, "00c0ffee")])
+    # A running server whose command line names a prefix uses those regions: Python under tritonserver's name.
+    holder = _naming(shm_prefix(repo, "00c0ffee"), name="/opt/tritonserver/bin/tritonserver")
     try:
-        # The premise: the holder's command line names the prefix. Popen returns once the child's exec has closed
-        # its close-on-exec pipe, which the kernel does before it writes the new program's arguments: for a moment
-        # /proc/PID/cmdline reads '' (seen under the hog: the in-use region went). Wait for the exec to finish.
-        deadline = time.monotonic() + 60
-        while shm_prefix(repo, "00c0ffee") not in _cmdline(holder.pid):
-            assert time.monotonic() < deadline and holder.poll() is None, "premise: the holder's command line names the prefix"
-            time.sleep(0.01)
         cleaned = clean_leftovers(repo)
         assert holder.poll() is None, f"premise: the holder exited early (status {holder.returncode})"
         assert (cleaned.stubs, cleaned.regions, cleaned.region_bytes) == (0, 1, 8192)
@@ -51,6 +44,37 @@ def test_leftover_regions_of_this_repository_go_and_those_in_use_or_of_others_st
         holder.wait()
         for path in (stale, in_use, others):
             path.unlink(missing_ok=True)
+
+
+def _naming(prefix: str, *, name: str) -> subprocess.Popen:
+    """A process running as `name` (its argv[0]) whose command line names `prefix`, once it does."""
+    process = subprocess.Popen([name, "-c", "import time; time.sleep(60)", prefix], executable=sys.executable)
+    # Popen returns once the child's exec has closed its close-on-exec pipe, which the kernel does before it writes
+    # the new program's arguments: for a moment /proc/PID/cmdline reads '' (seen under the hog: the in-use region
+    # went). Wait for the exec to finish.
+    deadline = time.monotonic() + 60
+    while prefix not in " ".join(_argv(process.pid)):
+        assert time.monotonic() < deadline and process.poll() is None, "premise: the command line names the prefix"
+        time.sleep(0.01)
+    return process
+
+
+def test_a_dead_servers_janitor_does_not_keep_its_regions_in_use(tmp_path):
+    """The process that waits to clean up after a server (server.py Janitor) names the server's prefix on its
+    command line and lives as long as the server's starter: when the server died first, the next server of the
+    repository must still remove what the dead one left (a stub that exited without removing its region)."""
+    repo = tmp_path / "repo"
+    prefix = shm_prefix(repo, "0dead0ff")
+    left = _region(prefix + "uuid-1")
+    janitor = _naming(prefix, name=sys.executable)  # a Python process, not a server or a stub
+    try:
+        cleaned = clean_leftovers(repo)
+        assert janitor.poll() is None, f"premise: the janitor exited early (status {janitor.returncode})"
+        assert (cleaned.stubs, cleaned.regions) == (0, 1) and not left.exists(), cleaned
+    finally:
+        janitor.kill()
+        janitor.wait()
+        left.unlink(missing_ok=True)
 
 
 def _fake_stub(model_py: Path, region: str, server_pid: int) -> subprocess.Popen:
