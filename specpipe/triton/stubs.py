@@ -47,7 +47,7 @@ class Stub:
 def read_stub(pid: int) -> Optional[Stub]:
     """The stub with this pid, or None when that process is not a running stub (or is gone already)."""
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        argv = _argv(pid)  # [] once the process is gone: argv[0] below raises IndexError
         if Path(argv[0]).name != STUB_BINARY or len(argv) < 6 or not argv[5].isdigit():
             return None
         # comm may hold spaces and parentheses: the fields we need come after its closing ')'.
@@ -229,7 +229,7 @@ class ServerProcess:
 def read_server(pid: int) -> Optional[ServerProcess]:
     """The specpipe-started tritonserver with this pid, or None (not one, not ours to read, or exited)."""
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        argv = _argv(pid)  # [] once the process is gone: argv[0] below raises IndexError
         if Path(argv[0]).name != SERVER_BINARY:
             return None
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
