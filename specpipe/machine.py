@@ -215,6 +215,23 @@ def _psutil_physical_cores() -> Optional[int]:
         return None
 
 
+def usable_cpus() -> Optional[int]:
+    """The CPUs this process may run on (its affinity), else the machine's count; None when neither is known."""
+    return _usable_cpus()
+
+
+def available_memory_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
+    """The kernel's MemAvailable: memory new work can take now without swapping. None where it cannot be read."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def _usable_cpus() -> Optional[int]:
     try:
         return len(os.sched_getaffinity(0))

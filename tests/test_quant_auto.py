@@ -206,6 +206,76 @@ def test_auto_keeps_fp32_where_quantized_targets_batch_worse(monkeypatch, genai_
     assert any(line.startswith("--quant auto: chose fp32") for line in said)
 
 
+def test_the_builders_candidates_are_quantized_side_by_side_and_each_judged_when_ready(monkeypatch, genai_fp32,
+                                                                                         tiny_tokenizer, tmp_path):
+    """Where onnxruntime-genai's model builder quantizes (a process of its own, one core each), the candidates are made
+    at once: int8-wo's quantizer waits here until int4-wo's has started, and int4-wo's until int8-wo's accuracy has
+    been measured. One at a time, or all made before any is judged, times out on an event below."""
+    import shutil
+    import threading
+
+    from specpipe.builder.cpu import _auto_quant
+    from specpipe.quantize.pipeline import QuantResult
+
+    started, judged = {m: threading.Event() for m in AUTO_QUANT_CANDIDATES}, {m: threading.Event() for m in AUTO_QUANT_CANDIDATES}
+    waits = {"int8-wo": started["int4-wo"], "int4-wo": judged["int8-wo"]}
+
+    def quantize_with_builder(checkpoint, src_dir, dst_dir, cfg):
+        started[cfg.mode].set()
+        assert waits[cfg.mode].wait(timeout=60), f"{cfg.mode}'s quantizer waited for the other candidate in vain"
+        shutil.copytree(src_dir, dst_dir)
+        meta = json.loads((dst_dir / "engine.json").read_text())
+        (dst_dir / "engine.json").write_text(json.dumps({**meta, "quant": cfg.mode}))
+        return QuantResult(mode=cfg.mode, quantized_layers=0, untied_weights=[], group_size=cfg.block_size,
+                           calib_sequences=0, calib_tokens=0, smooth_quant=False, src_bytes=1, dst_bytes=1, seconds=0.0)
+
+    measure = _planted_accuracy({"int4-wo"})
+
+    def measure_accuracy(ref_dir, quant_dir, token_batches, *, threads=1):
+        report = measure(ref_dir, quant_dir, token_batches, threads=threads)
+        judged[report.mode].set()
+        return report
+
+    reference = tmp_path / "target-fp32"
+    shutil.copytree(genai_fp32, reference)
+    monkeypatch.setattr("specpipe.quantize.pipeline.quantize_with_builder", quantize_with_builder)
+    monkeypatch.setattr("specpipe.quantize.accuracy.measure_accuracy", measure_accuracy)
+    monkeypatch.setattr("specpipe.builder.cpu.measure_precisions", _planted_speeds(VNNI))
+    monkeypatch.setattr("specpipe.builder.cpu.usable_cpus", lambda: 2)
+    monkeypatch.setattr("specpipe.builder.cpu.available_memory_bytes", lambda: 64 << 30)
+    said = []
+    cfg = BuildConfig(target="x", draft="none", backend={"kind": "onnxruntime", "max_batch_size": 16, "threads": 1})
+    record, _, _ = _auto_quant(reference, tmp_path / "target", QuantConfig(mode="auto"), tiny_tokenizer,
+                               tmp_path / "checkpoint", cfg, said.append, "target", {})
+    assert record.mode == "int8-wo"
+    assert [(c.mode, c.within_budget) for c in record.candidates] == [("none", True), ("int8-wo", True), ("int4-wo", False)]
+    assert any("int8-wo, int4-wo side by side" in line for line in said)
+
+
+def test_the_builders_quantizers_run_one_a_core_as_many_as_memory_holds():
+    from specpipe.builder.cpu import BUILDER_PEAK_PER_WEIGHT_BYTE, quantizers_side_by_side
+
+    weights = 538_090_408  # SmolLM2-135M in fp32
+    peak = BUILDER_PEAK_PER_WEIGHT_BYTE * weights
+    assert quantizers_side_by_side(2, weights, 2, 24 << 30) == 2
+    assert quantizers_side_by_side(2, weights, 1, 24 << 30) == 1  # one core: one at a time
+    assert quantizers_side_by_side(2, weights, 16, 24 << 30) == 2  # never more than the candidates
+    assert quantizers_side_by_side(2, weights, 2, int(1.5 * peak)) == 1  # room for one builder's peak, not two
+    assert quantizers_side_by_side(2, weights, 2, int(2 * peak)) == 2
+    assert quantizers_side_by_side(2, weights, None, 24 << 30) == 1 and quantizers_side_by_side(2, weights, 2, None) == 1
+
+
+def test_available_memory_is_read_from_meminfo(tmp_path):
+    from specpipe.machine import available_memory_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24576000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
+    assert available_memory_bytes(str(meminfo)) == 20_000_000 * 1024
+    meminfo.write_text("MemTotal:       24576000 kB\n")
+    assert available_memory_bytes(str(meminfo)) is None
+    assert available_memory_bytes(str(tmp_path / "absent")) is None
+
+
 def test_measure_precisions_times_every_engine_at_every_size(genai_fp32):
     from specpipe.builder.measure import measure_precisions
 

@@ -39,7 +39,7 @@ from specpipe.engines.shared_kv import KV_LAYOUT
 from specpipe.errors import ExportError, OutputExistsError, UsageError
 from specpipe.export.onnx import check_export, export_onnx
 from specpipe.export.ortgenai_builder import run_model_builder
-from specpipe.machine import describe_machine
+from specpipe.machine import available_memory_bytes, describe_machine, usable_cpus
 from specpipe.contract.manifest import (
     ChoiceSample,
     ConsistencyRecord,
@@ -403,6 +403,21 @@ def _build_engine(ckpt, out: Path, cfg: BuildConfig, qcfg, tokenizer, say: Progr
     return entry
 
 
+# The model builder's peak memory over the fp32 weights' bytes: 1.97 GB for SmolLM2-135M's 538 MB (3.7x; its int8-wo
+# run, AMD EPYC Zen 3, 2026-11-29), rounded up.
+BUILDER_PEAK_PER_WEIGHT_BYTE = 4.0
+
+
+def quantizers_side_by_side(candidates: int, weights_bytes: int, cpus: Optional[int], available: Optional[int]) -> int:
+    """How many of `--quant auto`'s candidates the model builder quantizes at once. Each runs on one core in a process
+    of its own (SmolLM2-135M, 2-core AVX2 Zen 3: int8-wo 16 s, int4-wo's k-quant 67 s, ~1.0 core each), so one a
+    core, as many as the memory available now holds at the builder's peak; one where either is unknown."""
+    if not cpus or available is None:
+        return 1
+    fits = int(available // (BUILDER_PEAK_PER_WEIGHT_BYTE * max(weights_bytes, 1)))
+    return max(1, min(candidates, cpus, fits))
+
+
 def _auto_quant(reference: Path, out: Path, qcfg, tokenizer, checkpoint: Optional[Path], cfg: BuildConfig, say: Progress,
                 role: str, timings: dict) -> tuple[QuantRecord, ConsistencyRecord, int]:
     """`--quant auto`: quantize `reference` (the fp32 engine) as each of AUTO_QUANT_CANDIDATES beside it, measure
@@ -410,18 +425,31 @@ def _auto_quant(reference: Path, out: Path, qcfg, tokenizer, checkpoint: Optiona
     one builder/quant_choice.py chooses into `out`; fp32 stays as `reference` beside a quantized choice.
     Returns (the record: every candidate's numbers and the reason; the chosen engine's consistency record and
     rows per call, as measure_target_min_rows gives them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from specpipe.builder import quant_choice
     from specpipe.contract.quant import AUTO_QUANT_CANDIDATES
-    from specpipe.quantize import quantize_engine
+    from specpipe.quantize.graph import folder_bytes
+    from specpipe.quantize.pipeline import judge_quantized, quantize_weights
 
     folders, blocks, seconds = {"none": reference}, {}, {"none": 0.0}
-    for mode in AUTO_QUANT_CANDIDATES:
-        say(f"--quant auto: quantizing the {role} ({mode}) and measuring its accuracy")
-        started = time.perf_counter()
-        folders[mode] = out.with_name(f"{role}-{mode}")
-        blocks[mode] = quantize_engine(reference, folders[mode], qcfg.model_copy(update={"mode": mode, "accept_accuracy_loss": True}),
-                                       tokenizer, model_name=role, threads=cfg.backend.threads, checkpoint=checkpoint)
-        seconds[mode] = round(time.perf_counter() - started, 2)
+    configs = {mode: qcfg.model_copy(update={"mode": mode, "accept_accuracy_loss": True}) for mode in AUTO_QUANT_CANDIDATES}
+    folders.update({mode: out.with_name(f"{role}-{mode}") for mode in AUTO_QUANT_CANDIDATES})
+    # specpipe's own quantizer runs in this process: one at a time. The model builder's run in processes of their own.
+    side_by_side = 1 if checkpoint is None else quantizers_side_by_side(
+        len(AUTO_QUANT_CANDIDATES), folder_bytes(reference), usable_cpus(), available_memory_bytes())
+    say(f"--quant auto: quantizing the {role} as {', '.join(AUTO_QUANT_CANDIDATES)}"
+        f"{' side by side' if side_by_side > 1 else ''}, and measuring each one's accuracy")
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=side_by_side, thread_name_prefix="specpipe-quantize") as pool:
+        made = {mode: pool.submit(quantize_weights, reference, folders[mode], configs[mode], tokenizer, checkpoint=checkpoint)
+                for mode in AUTO_QUANT_CANDIDATES}
+        for mode in AUTO_QUANT_CANDIDATES:
+            result = made[mode].result()
+            say(f"--quant auto: measuring the accuracy of the {role} at {mode}")
+            blocks[mode] = judge_quantized(reference, folders[mode], result, configs[mode], tokenizer, model_name=role,
+                                           threads=cfg.backend.threads)
+            seconds[mode] = round(time.perf_counter() - started, 2)  # since the quantizers started: they overlap
     consistency = {mode: measure_target_min_rows(folder, mode, cfg, tokenizer, say, timings) for mode, folder in folders.items()}
     rows = cfg.backend.max_batch_size
     say(f"--quant auto: timing {', '.join(map(quant_choice.name, folders))} at 1 to {rows} rows, in turn")

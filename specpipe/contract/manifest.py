@@ -78,7 +78,7 @@ class QuantCandidate(_Record):
     accuracy: Optional[AccuracyReport] = None
     violations: list[dict] = Field(default_factory=list)
     within_budget: bool
-    seconds: float  # quantizing and measuring its accuracy
+    seconds: float  # quantizing and measuring its accuracy (--quant auto: since its quantizers started side by side)
     decode_ms: Optional[dict[int, float]] = None  # rows -> ms of one batched one-token step (as BatchCosts)
     min_rows_per_call: Optional[int] = None  # its 1-token steps ran as this many rows (measure_target_min_rows)
 

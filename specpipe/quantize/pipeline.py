@@ -187,23 +187,38 @@ def quantize_engine(
     checkpoint: Path | None = None,
 ) -> dict:
     """Quantize, measure against `src_dir`, check the budget. Returns the manifest's "quant" block.
-
     Raises AccuracyBudgetError when over budget, unless cfg.accept_accuracy_loss (then the violations
     are recorded in the block). `model_name` ("target", "draft") names the engine in errors. `checkpoint`:
     the Hugging Face checkpoint of an onnxruntime-genai graph, which its model builder quantizes
     (`quantize_with_builder`); otherwise specpipe quantizes the ONNX graph (`quantize_onnx`).
+    The two halves, `quantize_weights` and `judge_quantized`, are also called apart (builder/cpu.py `--quant auto`
+    quantizes its candidates side by side and judges each as it is ready).
     """
-    from specpipe.quantize.accuracy import check_budget, measure_accuracy
-    from specpipe.quantize.calibration import calibration_batches, evaluation_batches
+    result = quantize_weights(src_dir, dst_dir, cfg, tokenizer, checkpoint=checkpoint)
+    return judge_quantized(src_dir, dst_dir, result, cfg, tokenizer, model_name=model_name, threads=threads)
+
+
+def quantize_weights(src_dir: Path, dst_dir: Path, cfg: QuantConfig, tokenizer, *,
+                     checkpoint: Path | None = None) -> QuantResult:
+    """quantize_engine's first half: write `src_dir` quantized as `cfg.mode` into `dst_dir`, nothing measured."""
+    from specpipe.quantize.calibration import calibration_batches
 
     check_kv_cache_dtype(cfg)
     if cfg.mode == "auto":
         raise UsageError("--quant auto is a build's choice among modes (builder/cpu.py); quantize one mode at a time")
     calib = calibration_batches(tokenizer, cfg) if cfg.needs_calibration else None
     if checkpoint is not None and cfg.mode != "none":
-        result = quantize_with_builder(checkpoint, src_dir, dst_dir, cfg)
-    else:
-        result = quantize_onnx(src_dir, dst_dir, cfg, calib)
+        return quantize_with_builder(checkpoint, src_dir, dst_dir, cfg)
+    return quantize_onnx(src_dir, dst_dir, cfg, calib)
+
+
+def judge_quantized(src_dir: Path, dst_dir: Path, result: QuantResult, cfg: QuantConfig, tokenizer, *,
+                    model_name: str, threads: int = THREADS) -> dict:
+    """quantize_engine's second half: `dst_dir` (made by quantize_weights as `result`) measured against `src_dir`
+    and held to the budget. Returns the manifest's "quant" block."""
+    from specpipe.quantize.accuracy import check_budget, measure_accuracy
+    from specpipe.quantize.calibration import evaluation_batches
+
     block = {**result.as_dict(), "kv_cache_dtype": cfg.kv_cache_dtype}
     if cfg.mode == "none":
         return block
