@@ -206,6 +206,7 @@ def test_auto_keeps_fp32_where_quantized_targets_batch_worse(monkeypatch, genai_
     assert any(line.startswith("--quant auto: chose fp32") for line in said)
 
 
+@pytest.mark.timing
 def test_the_builders_candidates_are_quantized_side_by_side_and_each_judged_when_ready(monkeypatch, genai_fp32,
                                                                                          tiny_tokenizer, tmp_path):
     """Where onnxruntime-genai's model builder quantizes (a process of its own, one core each), the candidates are made
