@@ -168,7 +168,7 @@ def describe_machine(threads: Optional[int] = None, cpuinfo_path: str = CPUINFO)
         isa=isa,
         physical_cores=cpu.physical_cores,
         logical_cores=cpu.logical_cores,
-        usable_cpus=_usable_cpus(),
+        usable_cpus=usable_cpus(),
         threads={"in_use": threads if threads is not None else torch_threads, "torch": torch_threads,
                  "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
         os=platform.platform(),
@@ -215,11 +215,6 @@ def _psutil_physical_cores() -> Optional[int]:
         return None
 
 
-def usable_cpus() -> Optional[int]:
-    """The CPUs this process may run on (its affinity), else the machine's count; None when neither is known."""
-    return _usable_cpus()
-
-
 def available_memory_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
     """The kernel's MemAvailable: memory new work can take now without swapping. None where it cannot be read."""
     try:
@@ -232,7 +227,8 @@ def available_memory_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
     return None
 
 
-def _usable_cpus() -> Optional[int]:
+def usable_cpus() -> Optional[int]:
+    """The CPUs this process may run on (its affinity), else the machine's count; None when neither is known."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

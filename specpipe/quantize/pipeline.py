@@ -187,6 +187,7 @@ def quantize_engine(
     checkpoint: Path | None = None,
 ) -> dict:
     """Quantize, measure against `src_dir`, check the budget. Returns the manifest's "quant" block.
+
     Raises AccuracyBudgetError when over budget, unless cfg.accept_accuracy_loss (then the violations
     are recorded in the block). `model_name` ("target", "draft") names the engine in errors. `checkpoint`:
     the Hugging Face checkpoint of an onnxruntime-genai graph, which its model builder quantizes
