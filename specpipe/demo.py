@@ -356,11 +356,10 @@ def serve_and_gate(demo: Demo) -> str:
     from specpipe.contract.generation import GenerationConfig
     from specpipe.gate import load_gate, run_gate
     from specpipe.triton.client import remote_generate
-    from specpipe.triton.server import ServerConfig, TritonServer, free_port
+    from specpipe.triton.server import ServerConfig, TritonServer
 
-    ports = dict(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
     with demo.console.status("starting tritonserver"):
-        server = TritonServer(demo.repo_dir, ServerConfig(**ports)).start()
+        server = TritonServer(demo.repo_dir, ServerConfig.on_free_ports()).start()
     try:
         ready_s = server.wait_ready()
         demo.console.print(f"tritonserver ready at {server.url} in {ready_s:.1f} s; streaming one request:")

@@ -44,11 +44,11 @@ def test_passing_gate_through_the_server(tiny_repo, tmp_path, capsys):
 
 
 def test_planted_bias_in_the_server_fails_the_distribution_check(tiny_repo, tiny_build, tmp_path, monkeypatch, capsys):
-    from specpipe.triton import ServerConfig, TritonServer, free_port
+    from specpipe.triton import ServerConfig, TritonServer
 
     monkeypatch.setenv(PLANTED_BIAS_ENV, "always-accept")  # the server process inherits it
     gate = write_toml(tmp_path / "gate.toml", _toml(small_gate(latency={"enabled": False})))
-    config = ServerConfig(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
+    config = ServerConfig.on_free_ports()
     with TritonServer(tiny_repo, config) as server:
         code, out, err = validate(
             capsys, "--url", server.url, "--engines", tiny_build, "--gate", gate, "--report-dir", tmp_path / "r", "--quiet"

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import specpipe
-from specpipe.triton import free_port
+from specpipe.triton import free_port, free_ports
 from tests.test_gate import _toml, one_line_error, small_gate, validate, write_toml
 
 pytestmark = pytest.mark.timing
@@ -37,9 +37,9 @@ def served(tiny_build, tmp_path_factory):
 
     repo = tmp_path_factory.mktemp("openai_repo")
     write_repository(tiny_build, repo, instance_count=2)
-    port = free_port()
-    cmd = [sys.executable, "-m", "specpipe", "serve", str(repo), "--grpc-port", str(free_port()), "--http-port",
-           str(free_port()), "--metrics-port", str(free_port()), "--openai-port", str(port), "--timeout", "300"]
+    grpc_port, http_port, metrics_port, port = free_ports(4)
+    cmd = [sys.executable, "-m", "specpipe", "serve", str(repo), "--grpc-port", str(grpc_port), "--http-port",
+           str(http_port), "--metrics-port", str(metrics_port), "--openai-port", str(port), "--timeout", "300"]
     process = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
     lines: list[str] = []

@@ -26,7 +26,7 @@ import pytest
 import specpipe
 from specpipe.contract.generation import GenerationConfig
 from specpipe.errors import ServerError
-from specpipe.triton import ServerConfig, TritonServer, free_port, write_repository
+from specpipe.triton import ServerConfig, TritonServer, write_repository
 from specpipe.triton.client import remote_generate
 from specpipe.triton.ports import listeners
 from specpipe.triton.stubs import SHM_DIR, find_servers, find_stubs, read_server, repository_prefix
@@ -44,7 +44,7 @@ def repo(tiny_build, tmp_path) -> Path:
 
 
 def _ports() -> ServerConfig:
-    return ServerConfig(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port(), ready_timeout_s=DEADLINE_S)
+    return ServerConfig.on_free_ports(ready_timeout_s=DEADLINE_S)
 
 
 def _serve(repo: Path, cfg: ServerConfig) -> subprocess.Popen:

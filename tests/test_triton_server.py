@@ -28,7 +28,7 @@ from specpipe.builder.config import BuildConfig
 from specpipe.contract.generation import GenerationConfig, SamplingConfig
 from specpipe.deployment import load_deployment
 from specpipe.errors import ServerError
-from specpipe.triton import ServerConfig, TritonServer, free_port, write_repository
+from specpipe.triton import ServerConfig, TritonServer, write_repository
 from specpipe.triton.client import remote_generate
 from specpipe.triton.stubs import SHM_DIR, find_stubs, repository_prefix
 
@@ -37,7 +37,7 @@ PROMPTS = ["def add(a, b):", "Héllo wörld — naïve café, 東京 🙂", "The
 
 
 def _ports() -> ServerConfig:
-    return ServerConfig(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port(), ready_timeout_s=180)
+    return ServerConfig.on_free_ports(ready_timeout_s=180)
 
 
 @pytest.fixture(scope="module")

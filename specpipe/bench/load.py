@@ -228,9 +228,9 @@ def _repository(target: Path, model_name: str) -> Iterator[Path]:
 
 @contextmanager
 def _started_server(repo: Path, log: Callable[[str], None]):
-    from specpipe.triton.server import ServerConfig, TritonServer, free_port
+    from specpipe.triton.server import ServerConfig, TritonServer
 
-    config = ServerConfig(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
+    config = ServerConfig.on_free_ports()
     with TritonServer(repo, config) as server:
         if server.leftovers:
             log(server.leftovers_note())

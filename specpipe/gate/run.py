@@ -178,11 +178,11 @@ def _open_subject(target, mode: GateMode, gate: GateConfig, *, engines, model_na
 
     if mode != "repo":
         raise GateError(f"unknown gate mode {mode!r}")
-    from specpipe.triton.server import ServerConfig, TritonServer, free_port
+    from specpipe.triton.server import ServerConfig, TritonServer
 
     repo = _existing(target, "Triton model repository")
     reference = load_deployment(served_engine_dir(repo, model_name), threads=threads)
-    server_cfg = ServerConfig(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
+    server_cfg = ServerConfig.on_free_ports()
     with ExitStack() as stack:
         with console.status(f"starting tritonserver on {repo}"):
             server = stack.enter_context(TritonServer(repo, server_cfg))

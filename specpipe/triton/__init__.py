@@ -9,9 +9,9 @@ process, and a gRPC client.
 
 from specpipe.triton.model_config import DynamicBatching, EnsembleStep, ModelSpec, TensorSpec, parse_config, read_config
 from specpipe.triton.repository import ModelParameters, served_model_spec, write_repository
-from specpipe.triton.server import ServerConfig, TritonServer, find_tritonserver, free_port
+from specpipe.triton.server import ServerConfig, TritonServer, find_tritonserver, free_port, free_ports
 
 __all__ = [
     "DynamicBatching", "EnsembleStep", "ModelParameters", "ModelSpec", "ServerConfig", "TensorSpec", "TritonServer",
-    "find_tritonserver", "free_port", "parse_config", "read_config", "served_model_spec", "write_repository",
+    "find_tritonserver", "free_port", "free_ports", "parse_config", "read_config", "served_model_spec", "write_repository",
 ]

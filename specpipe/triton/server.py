@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from specpipe.config import Strict
 from specpipe.errors import ServerError, UsageError
@@ -49,6 +49,22 @@ class ServerConfig(Strict):
     ready_timeout_s: float = Field(300.0, gt=0, description="seconds to wait until every model is loaded")
     exit_timeout_s: int = Field(30, ge=0, description="seconds in-flight requests get to finish at shutdown")
     log_verbose: int = Field(0, ge=0, description="Triton's --log-verbose level")
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> "ServerConfig":
+        # tritonserver refuses to start when two of its endpoints share a port; say so before starting it.
+        named = {"--grpc-port": self.grpc_port, "--http-port": self.http_port, "--metrics-port": self.metrics_port}
+        for i, (flag, port) in enumerate(named.items()):
+            same = [other for other, p in list(named.items())[i + 1:] if p == port]
+            if same:
+                raise ValueError(f"{flag} and {same[0]} are both {port}: each endpoint needs a port of its own")
+        return self
+
+    @classmethod
+    def on_free_ports(cls, **values) -> "ServerConfig":
+        """A config whose three ports are distinct and free right now (tests, the demo, the gate, benchmarks)."""
+        grpc_port, http_port, metrics_port = free_ports(3, values.get("host", "127.0.0.1"))
+        return cls(grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port, **values)
 
 
 @dataclass
@@ -431,8 +447,22 @@ def failure_reason(lines: list[str]) -> str:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on right now (for tests and `serve --grpc-port 0`-style use)."""
-    import socket
+    return free_ports(1, host)[0]
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports nothing listens on right now.
+
+    Every socket stays bound until all `n` are chosen: the kernel may hand a port just released straight out
+    again, so calling free_port() three times can return one port twice (CI saw gRPC and metrics on one port).
+    """
+    import socket
+    from contextlib import ExitStack
+
+    with ExitStack() as held:
+        ports = []
+        for _ in range(n):
+            s = held.enter_context(socket.socket())
+            s.bind((host, 0))
+            ports.append(s.getsockname()[1])
+        return ports
