@@ -221,7 +221,7 @@ def test_the_builders_candidates_are_quantized_side_by_side_and_each_judged_when
     started, judged = {m: threading.Event() for m in AUTO_QUANT_CANDIDATES}, {m: threading.Event() for m in AUTO_QUANT_CANDIDATES}
     waits = {"int8-wo": started["int4-wo"], "int4-wo": judged["int8-wo"]}
 
-    def quantize_with_builder(checkpoint, src_dir, dst_dir, cfg):
+    def quantize_with_builder(checkpoint, src_dir, dst_dir, cfg, *, cancel=None):
         started[cfg.mode].set()
         assert waits[cfg.mode].wait(timeout=60), f"{cfg.mode}'s quantizer waited for the other candidate in vain"
         shutil.copytree(src_dir, dst_dir)
@@ -251,6 +251,58 @@ def test_the_builders_candidates_are_quantized_side_by_side_and_each_judged_when
     assert record.mode == "int8-wo"
     assert [(c.mode, c.within_budget) for c in record.candidates] == [("none", True), ("int8-wo", True), ("int4-wo", False)]
     assert any("int8-wo, int4-wo side by side" in line for line in said)
+
+
+@pytest.mark.timing
+def test_a_failing_candidate_stops_the_other_builder_and_fails_the_build_at_once(monkeypatch, genai_fp32, tiny_tokenizer,
+                                                                                tmp_path):
+    """int8-wo's builder fails while int4-wo's runs: the build fails with int8-wo's reason and int4-wo's builder is
+    told to stop (here: it waits for that, 60 s at most). Before, the failure waited for the other builder to finish
+    (minutes on a large target); waiting still, or never stopping it, leaves int4-wo's wait unanswered below."""
+    import shutil
+    import threading
+
+    from specpipe.builder.cpu import _auto_quant
+    from specpipe.errors import ExportError
+
+    running, stopped = threading.Event(), {}
+
+    def quantize_with_builder(checkpoint, src_dir, dst_dir, cfg, *, cancel=None):
+        if cfg.mode == "int8-wo":
+            assert running.wait(timeout=60), "int4-wo's builder never started"
+            raise ExportError("onnxruntime-genai's model builder failed on x (int8): planted")
+        running.set()
+        stopped[cfg.mode] = cancel is not None and cancel.wait(timeout=60)
+        raise ExportError("onnxruntime-genai's model builder was stopped on x (int4)")
+
+    reference = tmp_path / "target-fp32"
+    shutil.copytree(genai_fp32, reference)
+    monkeypatch.setattr("specpipe.quantize.pipeline.quantize_with_builder", quantize_with_builder)
+    monkeypatch.setattr("specpipe.builder.cpu.usable_cpus", lambda: 2)
+    monkeypatch.setattr("specpipe.builder.cpu.available_memory_bytes", lambda: 64 << 30)
+    cfg = BuildConfig(target="x", draft="none", backend={"kind": "onnxruntime", "max_batch_size": 16, "threads": 1})
+    with pytest.raises(ExportError, match="planted"):
+        _auto_quant(reference, tmp_path / "target", QuantConfig(mode="auto"), tiny_tokenizer, tmp_path / "checkpoint",
+                    cfg, lambda line: None, "target", {})
+    assert stopped == {"int4-wo": True}
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+def test_a_builder_process_is_killed_when_stopped_or_past_its_time(how):
+    """run_until's two ways out of a process that would run a minute: its cancel event, and its deadline."""
+    import sys
+    import threading
+
+    from specpipe.errors import ExportError
+    from specpipe.export.ortgenai_builder import run_until
+
+    cancel = threading.Event()
+    if how == "cancel":
+        threading.Timer(0.2, cancel.set).start()
+    with pytest.raises(ExportError) as err:  # a process left to finish returns normally: no error
+        run_until([sys.executable, "-c", "import time; time.sleep(60)"], 0.3 if how == "timeout" else 600, cancel,
+                  "the stand-in", "nothing")
+    assert ("was stopped" if how == "cancel" else "ran past") in str(err.value)
 
 
 def test_the_builders_quantizers_run_one_a_core_as_many_as_memory_holds():

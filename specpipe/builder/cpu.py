@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -425,7 +426,7 @@ def _auto_quant(reference: Path, out: Path, qcfg, tokenizer, checkpoint: Optiona
     one builder/quant_choice.py chooses into `out`; fp32 stays as `reference` beside a quantized choice.
     Returns (the record: every candidate's numbers and the reason; the chosen engine's consistency record and
     rows per call, as measure_target_min_rows gives them)."""
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
     from specpipe.builder import quant_choice
     from specpipe.contract.quant import AUTO_QUANT_CANDIDATES
@@ -440,16 +441,23 @@ def _auto_quant(reference: Path, out: Path, qcfg, tokenizer, checkpoint: Optiona
         len(AUTO_QUANT_CANDIDATES), folder_bytes(reference), usable_cpus(), available_memory_bytes())
     say(f"--quant auto: quantizing the {role} as {', '.join(AUTO_QUANT_CANDIDATES)}"
         f"{' side by side' if side_by_side > 1 else ''}, and measuring each one's accuracy")
-    started = time.perf_counter()
+    started, cancel = time.perf_counter(), threading.Event()
     with ThreadPoolExecutor(max_workers=side_by_side, thread_name_prefix="specpipe-quantize") as pool:
-        made = {mode: pool.submit(quantize_weights, reference, folders[mode], configs[mode], tokenizer, checkpoint=checkpoint)
-                for mode in AUTO_QUANT_CANDIDATES}
-        for mode in AUTO_QUANT_CANDIDATES:
-            result = made[mode].result()
-            say(f"--quant auto: measuring the accuracy of the {role} at {mode}")
-            blocks[mode] = judge_quantized(reference, folders[mode], result, configs[mode], tokenizer, model_name=role,
-                                           threads=cfg.backend.threads)
-            seconds[mode] = round(time.perf_counter() - started, 2)  # since the quantizers started: they overlap
+        made = {pool.submit(quantize_weights, reference, folders[mode], configs[mode], tokenizer, checkpoint=checkpoint,
+                            cancel=cancel): mode for mode in AUTO_QUANT_CANDIDATES}
+        try:
+            for future in as_completed(made):  # each judged as soon as it is made
+                mode = made[future]
+                result = future.result()
+                say(f"--quant auto: measuring the accuracy of the {role} at {mode}")
+                blocks[mode] = judge_quantized(reference, folders[mode], result, configs[mode], tokenizer,
+                                               model_name=role, threads=cfg.backend.threads)
+                seconds[mode] = round(time.perf_counter() - started, 2)  # since the quantizers started: they overlap
+        except BaseException:  # the build fails now, not once the other builders have finished
+            cancel.set()
+            for future in made:
+                future.cancel()
+            raise
     consistency = {mode: measure_target_min_rows(folder, mode, cfg, tokenizer, say, timings) for mode, folder in folders.items()}
     rows = cfg.backend.max_batch_size
     say(f"--quant auto: timing {', '.join(map(quant_choice.name, folders))} at 1 to {rows} rows, in turn")

@@ -23,6 +23,8 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
@@ -41,11 +43,13 @@ _TRANSFORMERS_5_NAMES = (
     "Qwen2_5_VLForConditionalGeneration",
 )
 BUILDER_MODULE = "onnxruntime_genai.models.builder"
+CANCEL_POLL_S = 0.5  # how often a running builder looks at its cancel event
 
 
 def run_model_builder(checkpoint_dir: Path, out_dir: Path, precision: Precision, cache_dir: Path, *,
                       extra_options: Optional[dict[str, str]] = None, feature_layers: Optional[Sequence[int]] = None,
-                      logits_index: bool = True, timeout_s: float = 1800) -> Path:
+                      logits_index: bool = True, timeout_s: float = 1800,
+                      cancel: Optional[threading.Event] = None) -> Path:
     """Build `checkpoint_dir` into `out_dir` (model.onnx, model.onnx.data, genai_config.json, tokenizer files)
     for the CPU execution provider at `precision`. Raises ExportError in one line on any failure.
 
@@ -53,7 +57,9 @@ def run_model_builder(checkpoint_dir: Path, out_dir: Path, precision: Precision,
     [batch, new tokens, hidden * len(feature_layers)]: the residual stream after each of those layers, for an
     EAGLE-3 head. The builder's own option does it (it numbers layers by the one they enter).
     `logits_index`: the graph also takes the positions whose logits a call computes (export/logit_positions.py);
-    False leaves the builder's graph as onnxruntime-genai's runtime expects it (the peer benchmark's)."""
+    False leaves the builder's graph as onnxruntime-genai's runtime expects it (the peer benchmark's).
+    `cancel`: once set, the builder's process is killed within half a second and ExportError says it was stopped
+    (`build --quant auto` stops a candidate's builder when another candidate has failed)."""
     from specpipe.export.features import builder_layers
     from specpipe.export.logit_positions import add_logits_index
 
@@ -65,14 +71,11 @@ def run_model_builder(checkpoint_dir: Path, out_dir: Path, precision: Precision,
     with tempfile.TemporaryDirectory(prefix="ortgenai-input-", dir=cache_dir) as view:
         _checkpoint_view(checkpoint_dir, Path(view))
         argv = builder_argv(Path(view), out_dir, precision, cache_dir, extra_options)
-        try:
-            done = subprocess.run([sys.executable, "-m", __name__, *argv], capture_output=True, text=True,
-                                  timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise ExportError(f"onnxruntime-genai's model builder ran past {timeout_s:.0f} s on {checkpoint_dir}") from None
-    if done.returncode != 0:
+        returncode, stdout, stderr = run_until([sys.executable, "-m", __name__, *argv], timeout_s, cancel,
+                                               "onnxruntime-genai's model builder", f"{checkpoint_dir} ({precision})")
+    if returncode != 0:
         raise ExportError(f"onnxruntime-genai's model builder failed on {checkpoint_dir} ({precision}): "
-                          f"{last_line(done.stderr or done.stdout)}")
+                          f"{last_line(stderr or stdout)}")
     if not (out_dir / "genai_config.json").is_file() or not (out_dir / "model.onnx").is_file():
         raise ExportError(f"onnxruntime-genai's model builder wrote no model.onnx/genai_config.json into {out_dir}")
     if logits_index:
@@ -81,6 +84,28 @@ def run_model_builder(checkpoint_dir: Path, out_dir: Path, precision: Precision,
         except ValueError as err:
             raise ExportError(str(err)) from None
     return out_dir
+
+
+def run_until(command: list[str], timeout_s: float, cancel: Optional[threading.Event], name: str,
+              what: str) -> tuple[int, str, str]:
+    """`command` (`name`, working on `what`) in a process of its own: (exit code, stdout, stderr); killed past
+    `timeout_s` or once `cancel` is set, within CANCEL_POLL_S (ExportError either way)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:  # communicate() again after its timeout loses no output (subprocess docs)
+                stdout, stderr = process.communicate(timeout=min(CANCEL_POLL_S, max(deadline - time.monotonic(), 0.01)))
+                return process.returncode, stdout, stderr
+            except subprocess.TimeoutExpired:
+                stopped = cancel is not None and cancel.is_set()
+                if stopped or time.monotonic() >= deadline:
+                    why = "was stopped" if stopped else f"ran past {timeout_s:.0f} s"
+                    raise ExportError(f"{name} {why} on {what}") from None
+    finally:
+        if process.returncode is None:  # stopped, past its time, or this thread interrupted: the process goes too
+            process.kill()
+            process.communicate()
 
 
 def builder_argv(checkpoint_dir: Path, out_dir: Path, precision: Precision, cache_dir: Path,

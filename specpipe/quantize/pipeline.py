@@ -12,9 +12,10 @@ import dataclasses
 import json
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from specpipe.config import THREADS
 from specpipe.contract.quant import QuantConfig
@@ -139,11 +140,12 @@ def quantize_onnx(src_dir: Path, dst_dir: Path, cfg: QuantConfig, calib: Sequenc
     )
 
 
-def quantize_with_builder(checkpoint_dir: Path, src_dir: Path, dst_dir: Path, cfg: QuantConfig) -> QuantResult:
+def quantize_with_builder(checkpoint_dir: Path, src_dir: Path, dst_dir: Path, cfg: QuantConfig, *,
+                          cancel: Optional[threading.Event] = None) -> QuantResult:
     """Write `checkpoint_dir` as a weight-only engine in `dst_dir` with onnxruntime-genai's model builder
     (weight_only.BUILDER_RECIPES[cfg.mode]); `src_dir` is the unquantized builder engine of the same checkpoint,
     whose engine.json it shares. A source that outputs an EAGLE-3 head's features (engine.json `feature_layers`)
-    gives a quantized graph that outputs the same layers."""
+    gives a quantized graph that outputs the same layers. `cancel` stops the builder (run_model_builder)."""
     from specpipe.engines.base import ENGINE_META, read_engine_meta
     from specpipe.export.ortgenai_builder import run_model_builder
     from specpipe.quantize.weight_only import BUILDER_RECIPES
@@ -157,7 +159,8 @@ def quantize_with_builder(checkpoint_dir: Path, src_dir: Path, dst_dir: Path, cf
     dst_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="specpipe-builder-", dir=dst_dir.parent) as raw:
         run_model_builder(checkpoint_dir, Path(raw) / "out", recipe.precision, Path(raw) / "cache",
-                          extra_options=recipe.options(cfg.block_size), feature_layers=meta.get("feature_layers"))
+                          extra_options=recipe.options(cfg.block_size), feature_layers=meta.get("feature_layers"),
+                          cancel=cancel)
         for path in model_files(Path(raw) / "out"):  # its genai_config.json and tokenizer files are not ours to keep
             shutil.move(str(path), dst_dir / path.name)
     (dst_dir / ENGINE_META).write_text(json.dumps({**meta, "quant": cfg.mode}, indent=2) + "\n")
@@ -200,8 +203,9 @@ def quantize_engine(
 
 
 def quantize_weights(src_dir: Path, dst_dir: Path, cfg: QuantConfig, tokenizer, *,
-                     checkpoint: Path | None = None) -> QuantResult:
-    """quantize_engine's first half: write `src_dir` quantized as `cfg.mode` into `dst_dir`, nothing measured."""
+                     checkpoint: Path | None = None, cancel: Optional[threading.Event] = None) -> QuantResult:
+    """quantize_engine's first half: write `src_dir` quantized as `cfg.mode` into `dst_dir`, nothing measured.
+    `cancel` stops the model builder's process (specpipe's own quantizer runs in this one and finishes)."""
     from specpipe.quantize.calibration import calibration_batches
 
     check_kv_cache_dtype(cfg)
@@ -209,7 +213,7 @@ def quantize_weights(src_dir: Path, dst_dir: Path, cfg: QuantConfig, tokenizer, 
         raise UsageError("--quant auto is a build's choice among modes (builder/cpu.py); quantize one mode at a time")
     calib = calibration_batches(tokenizer, cfg) if cfg.needs_calibration else None
     if checkpoint is not None and cfg.mode != "none":
-        return quantize_with_builder(checkpoint, src_dir, dst_dir, cfg)
+        return quantize_with_builder(checkpoint, src_dir, dst_dir, cfg, cancel=cancel)
     return quantize_onnx(src_dir, dst_dir, cfg, calib)
 
 
