@@ -258,3 +258,41 @@ def test_curve_command_trains_both_kinds_on_one_teacher_pass_and_plots(tiny_toke
     with pytest.raises(SystemExit) as refused:
         main(["--replot", str(tmp_path / "c.png")])  # not a curve's JSON: one line, exit 2
     assert refused.value.code == 2
+
+
+def test_warm_attention_starts_the_head_as_the_targets_last_layer(tiny_model):
+    """With the attention warm too, a head whose random parts are zeroed (fc's other blocks and its identity block's
+    noise, the embedding half of q/k/v) is the target's last layer over the deepest feature: reading the residual
+    stream entering that layer, its step-0 logits are the target's own over the draft vocabulary. A head that reads
+    the wrong half of its input, or a wrong norm, or misses o_proj, does not reproduce them."""
+    import copy
+
+    from specpipe.distill.eagle3 import make_head
+
+    tiny_model = copy.deepcopy(tiny_model)
+    with torch.no_grad():  # norms unlike one another (a fresh model's are all ones), so a wrong one shows
+        g = torch.Generator().manual_seed(11)
+        for layer in tiny_model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.copy_(1.0 + 0.3 * torch.randn(norm.weight.shape, generator=g))
+    width, layers = tiny_model.config.hidden_size, tiny_model.config.num_hidden_layers
+    deepest = layers - 2  # layer-output id: the residual stream entering the last layer
+    vocab_ids = torch.arange(0, 96)
+    head = make_head(tiny_model, feature_layers=(0, deepest, deepest), draft_token_ids=vocab_ids, warm_start=True,
+                     warm_attention=True, seed=0).eval()
+    cold = make_head(tiny_model, feature_layers=(0, deepest, deepest), draft_token_ids=vocab_ids, warm_start=True,
+                     seed=0)
+    assert not torch.equal(head.midlayer.self_attn.q_proj.weight, cold.midlayer.self_attn.q_proj.weight)
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, -width:] = torch.eye(width)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(head.midlayer.self_attn, name).weight[:, :width] = 0.0
+        tokens = torch.randint(0, tiny_model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(7))
+        out = tiny_model(tokens, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[1], out.hidden_states[deepest + 1], out.hidden_states[deepest + 1]], -1)
+        # row i reads t_{i+1}: the last row's token is any (its embedding half weighs nothing here)
+        head_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+        state = head.unrolled(features, head_tokens, torch.ones(1, 12, dtype=torch.bool), steps=1)[0]
+        assert torch.allclose(head.logits(state), out.logits[..., vocab_ids], atol=1e-4), \
+            float((head.logits(state) - out.logits[..., vocab_ids]).abs().max())

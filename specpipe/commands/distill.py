@@ -51,6 +51,8 @@ def _option(name: str, **kwargs):
 @_option("--ttt-decay", type=float)
 @click.option("--warm-start/--no-warm-start", default=field_default(DistillConfig, "warm_start"), show_default=True,
               help=field_help(DistillConfig, "warm_start"))
+@click.option("--warm-attention/--no-warm-attention", default=field_default(DistillConfig, "warm_attention"),
+              show_default=True, help=field_help(DistillConfig, "warm_attention"))
 @click.option("--verdict-quant", multiple=True, type=click.Choice(get_args(VerdictQuant)),
               default=field_default(DistillConfig, "verdict_quant"), show_default=True,
               help=field_help(DistillConfig, "verdict_quant") + " (repeatable)")

@@ -136,6 +136,8 @@ class DistillConfig(Strict):
     ttt_steps: int = Field(3, ge=1, le=16, description="eagle3: training-time test, steps the head is unrolled on its own states")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3: loss weight of unrolled step k is decay^k (normalized)")
     warm_start: bool = Field(True, description="eagle3: start lm_head rows, final norm and MLP from the target's")
+    warm_attention: bool = Field(True, description="eagle3, with --warm-start: start the attention from the target's "
+                                 "last layer too (on the feature half of its input)")
     init_head: Optional[Path] = Field(
         None, description="eagle3: start from this head's weights (upstream's EAGLE-3 format, made for the same target "
         "and feature layers; its draft vocabulary is kept) and train it further on a new budget"

@@ -217,7 +217,7 @@ class Eagle3HeadModule(nn.Module):
 
 
 def make_head(target, *, feature_layers: Sequence[int], draft_token_ids: torch.Tensor, warm_start: bool,
-              seed: int) -> Eagle3HeadModule:
+              seed: int, warm_attention: bool = False) -> Eagle3HeadModule:
     """A head for `target` (a transformers Llama-family causal LM) over the draft vocabulary `draft_token_ids`.
 
     warm_start: lm_head rows are the target's head rows of the draft tokens, the final norm is the target's, the
@@ -225,7 +225,9 @@ def make_head(target, *, feature_layers: Sequence[int], draft_token_ids: torch.T
     like the target's last layer output does), and fc passes the deepest feature layer through (identity on its
     block, plus the random init): the residual stream starts as the target's own, at a scale the copied MLP and norm
     expect (held-out position 1 after 60k training tokens: 0.32 against 0.275 without it, docs/eagle3.md).
-    Otherwise every weight is random (norms at one)."""
+    warm_attention (with warm_start): the attention is the last layer's too, on the hidden half of its 2H input
+    (hidden_norm, the hidden columns of q/k/v, o_proj), so the head starts as the target's last layer over the deepest
+    feature (docs/eagle3.md 3q measures what it buys). Otherwise every weight is random (norms at one)."""
     torch.manual_seed(seed)
     shape = HeadShape.from_target(target.config, feature_layers, len(draft_token_ids))
     head = Eagle3HeadModule(shape)
@@ -245,6 +247,14 @@ def make_head(target, *, feature_layers: Sequence[int], draft_token_ids: torch.T
             head.midlayer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight.detach().float())
             for name in ("gate_proj", "up_proj", "down_proj"):
                 getattr(head.midlayer.mlp, name).weight.copy_(getattr(last.mlp, name).weight.detach().float())
+            if warm_attention:
+                # The hidden half of q/k/v reads hidden_norm(fc(f)), the deepest feature at first: the last layer's own
+                # input norm and projections on it, its o_proj back; the embedding half keeps its random init.
+                head.midlayer.hidden_norm.weight.copy_(last.input_layernorm.weight.detach().float())
+                for name in ("q_proj", "k_proj", "v_proj"):
+                    getattr(head.midlayer.self_attn, name).weight[:, width:].copy_(
+                        getattr(last.self_attn, name).weight.detach().float())
+                head.midlayer.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight.detach().float())
     return head
 
 
