@@ -26,7 +26,7 @@ def _head(target, folder, layers):
 
     model = AutoModelForCausalLM.from_pretrained(target)
     head = make_head(model, feature_layers=layers, draft_token_ids=torch.arange(0, model.config.vocab_size, 2),
-                     warm_start=True, seed=0)
+                     warm_start=True, warm_attention=False, seed=0)
     return write_eagle3_head(folder, head.state_dict(), head_config(head.shape))
 
 

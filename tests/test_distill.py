@@ -335,6 +335,12 @@ def test_bad_inputs_are_one_line_errors(tiny_target, tmp_path, capsys, cache):
     code, err = _cli(capsys, "--target", str(tiny_target), "--out", str(tmp_path / "new"), "--resume")
     assert code == 2 and "no saved training state" in err
 
+    # the attention's warm start asked for without the warm start it builds on; alone, --no-warm-start is fine
+    code, err = _cli(capsys, "--target", str(tiny_target), "--out", str(tmp_path / "w"), "--kind", "eagle3",
+                     "--warm-attention", "--no-warm-start")
+    assert code == 2 and "--warm-attention needs --warm-start" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "w").exists()
+
 
 def test_training_prompts_are_disjoint_from_the_benchmark():
     from specpipe.bench.prompts import PACKAGED, read_prompt_file

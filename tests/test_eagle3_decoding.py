@@ -534,7 +534,7 @@ def tiny_head(tiny_target, tmp_path_factory):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target)
     head = make_head(model, feature_layers=(0,), draft_token_ids=torch.arange(0, model.config.vocab_size, 2),
-                     warm_start=True, seed=0)
+                     warm_start=True, warm_attention=False, seed=0)
     return write_eagle3_head(tmp_path_factory.mktemp("tinyhead") / "head", head.state_dict(), head_config(head.shape))
 
 

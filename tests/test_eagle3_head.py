@@ -167,7 +167,8 @@ def test_training_time_test_is_what_drafting_computes(eight_layer_target, tmp_pa
     target = AutoModelForCausalLM.from_pretrained(eight_layer_target).eval()
     torch.manual_seed(0)
     vocab_ids = torch.sort(torch.randperm(target.config.vocab_size)[:64]).values
-    head = make_head(target, feature_layers=(1, 3, 4), draft_token_ids=vocab_ids, warm_start=False, seed=1).eval()
+    head = make_head(target, feature_layers=(1, 3, 4), draft_token_ids=vocab_ids,
+                     warm_start=False, warm_attention=False, seed=1).eval()
     with torch.no_grad():  # random norms too, so a swapped norm would show
         for name, p in head.named_parameters():
             if "norm" in name:
@@ -294,11 +295,13 @@ def test_init_head_trains_a_written_head_further(trained_head, eight_layer_targe
 
     written = load_file(str(trained_head.path / "model.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(eight_layer_target).eval()
-    fresh = make_head(model, feature_layers=(1, 3, 4), draft_token_ids=torch.arange(96), warm_start=True, seed=5)
+    fresh = make_head(model, feature_layers=(1, 3, 4), draft_token_ids=torch.arange(96),
+                      warm_start=True, warm_attention=False, seed=5)
     load_head_weights(fresh, trained_head.path)
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, written[name].to(tensor.dtype)), name
-    other = make_head(model, feature_layers=(1, 2, 4), draft_token_ids=torch.arange(96), warm_start=True, seed=5)
+    other = make_head(model, feature_layers=(1, 2, 4), draft_token_ids=torch.arange(96),
+                      warm_start=True, warm_attention=False, seed=5)
     with pytest.raises(UsageError, match="target layers"):
         load_head_weights(other, trained_head.path)
 

@@ -27,7 +27,8 @@ def _trainer(tiny_model, sequences, tmp_path, vocab_ids, prompt_weight: float = 
     from specpipe.distill.eagle3 import make_head
     from specpipe.distill.eagle3_train import HeadTrainer
 
-    head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=vocab_ids, warm_start=True, seed=0)
+    head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=vocab_ids,
+                     warm_start=True, warm_attention=False, seed=0)
     # negatives >= the draft vocabulary: every draft token is scored, so the loss does not depend on the batch's ids
     return HeadTrainer(head, sequences, steps=2, decay=0.8, budget_s=60, lr=1e-3, batch_tokens=512, negatives=10**6,
                        prompt_weight=prompt_weight, seed=0, state_path=tmp_path / "state.pt", checkpoint_every=1000)
@@ -130,7 +131,8 @@ def test_head_chain_hits_read_the_unrolled_step_of_the_row_before(tiny_model):
     from specpipe.distill.eagle3 import make_head, valid_rows
 
     hidden = tiny_model.config.hidden_size
-    head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64), warm_start=True, seed=0)
+    head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64),
+                     warm_start=True, warm_attention=False, seed=0)
     seq = _prompted(40, 6, hidden, 5)
     n = len(seq) - 1
     with torch.no_grad():
@@ -153,7 +155,8 @@ def test_head_chain_hits_with_lookup_take_the_copy_where_the_head_is_unsure(tiny
     from specpipe.distill.eagle3 import make_head
     from specpipe.speculative.ngram import NgramDrafter
 
-    head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64), warm_start=True, seed=0)
+    head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64),
+                     warm_start=True, warm_attention=False, seed=0)
     seq = _prompted(40, 6, tiny_model.config.hidden_size, 5)
     for k in range(20, len(seq)):
         seq.token_ids[k] = seq.token_ids[k - 14]
@@ -178,7 +181,8 @@ def test_head_chain_hits_alone_and_with_lookup_from_one_unroll_equal_the_two_sco
     from specpipe.distill.acceptance import head_chain_hits, head_chain_hits_alone_and_with_lookup
     from specpipe.distill.eagle3 import make_head
 
-    head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64), warm_start=True, seed=0)
+    head = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64),
+                     warm_start=True, warm_attention=False, seed=0)
     seqs = [_prompted(40, 6, tiny_model.config.hidden_size, 5), _prompted(30, 4, tiny_model.config.hidden_size, 6)]
     for k in range(20, len(seqs[0])):
         seqs[0].token_ids[k] = seqs[0].token_ids[k - 14]
@@ -225,8 +229,10 @@ def test_warm_start_passes_the_deepest_feature_through(tiny_model):
     from specpipe.distill.eagle3 import make_head
 
     width = tiny_model.config.hidden_size
-    warm = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64), warm_start=True, seed=0)
-    cold = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64), warm_start=False, seed=0)
+    warm = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64),
+                     warm_start=True, warm_attention=False, seed=0)
+    cold = make_head(tiny_model, feature_layers=(0, 1, 1), draft_token_ids=torch.arange(64),
+                     warm_start=False, warm_attention=False, seed=0)
     assert torch.allclose(warm.fc.weight[:, -width:] - torch.eye(width), cold.fc.weight[:, -width:], atol=1e-6)
     assert torch.equal(warm.fc.weight[:, :-width], cold.fc.weight[:, :-width])
 
@@ -280,9 +286,12 @@ def test_warm_attention_starts_the_head_as_the_targets_last_layer(tiny_model):
     vocab_ids = torch.arange(0, 96)
     head = make_head(tiny_model, feature_layers=(0, deepest, deepest), draft_token_ids=vocab_ids, warm_start=True,
                      warm_attention=True, seed=0).eval()
-    cold = make_head(tiny_model, feature_layers=(0, deepest, deepest), draft_token_ids=vocab_ids, warm_start=True,
-                     seed=0)
+    cold = make_head(tiny_model, feature_layers=(0, deepest, deepest), draft_token_ids=vocab_ids,
+                     warm_start=True, warm_attention=False, seed=0)
     assert not torch.equal(head.midlayer.self_attn.q_proj.weight, cold.midlayer.self_attn.q_proj.weight)
+    with pytest.raises(ValueError, match="needs warm_start"):  # its copies read the warm start's fc and norms
+        make_head(tiny_model, feature_layers=(0, deepest, deepest), draft_token_ids=vocab_ids, warm_start=False,
+                  warm_attention=True, seed=0)
     with torch.no_grad():
         head.fc.weight.zero_()
         head.fc.weight[:, -width:] = torch.eye(width)

@@ -88,7 +88,7 @@ def head_deployment(tiny_tokenizer, tmp_path_factory):
     target = make_tiny_llama(root / "target", seed=0, num_layers=4, tokenizer=tiny_tokenizer)
     model = AutoModelForCausalLM.from_pretrained(target)
     head = make_head(model, feature_layers=(0, 1, 2), draft_token_ids=torch.arange(0, model.config.vocab_size, 2),
-                     warm_start=True, seed=0)
+                     warm_start=True, warm_attention=False, seed=0)
     folder = write_eagle3_head(root / "head", head.state_dict(), head_config(head.shape))
     return build(BuildConfig(target=str(target), draft=str(folder), name="ovhead", engines_dir=root / "engines",
                              repo_dir=None)), folder

@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import get_args
 
 import click
+from click.core import ParameterSource
 
 from specpipe.config import field_choices, field_default, field_help, make_config
 from specpipe.distill.config import DistillConfig, VerdictQuant
+from specpipe.errors import UsageError
 
 
 def _option(name: str, **kwargs):
@@ -86,6 +88,9 @@ def distill(as_json: bool, data, **options) -> None:
     from specpipe.distill.precision import PrecisionChoice
     from specpipe.distill.verdict import verdict_line
 
+    given = click.get_current_context().get_parameter_source("warm_attention") != ParameterSource.DEFAULT
+    if given and options["warm_attention"] and not options["warm_start"]:
+        raise UsageError("--warm-attention needs --warm-start (the copied attention reads the warm start's fc and norms)")
     layers = options.pop("feature_layers")
     options["verdict_quant"] = list(options["verdict_quant"])
     cfg = make_config(DistillConfig, data=list(data), **options,

@@ -156,6 +156,11 @@ class DistillConfig(Strict):
             values = {**values, **unset}
         return values
 
+    @property
+    def starts_attention_warm(self) -> bool:
+        """--warm-attention takes effect only with --warm-start (its copies sit on the warm start's fc and norms)."""
+        return self.warm_start and self.warm_attention
+
     def train_budget_s(self, elapsed_s: float, trained_s: float = 0.0) -> float:
         """Seconds of training the run may reach, `elapsed_s` into this process's run, `trained_s` of them already
         spent by an earlier one (--resume). A time budget splits --minutes: training gets its share (1 -

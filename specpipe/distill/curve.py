@@ -143,7 +143,7 @@ def run_curve(cfg, *, kinds: tuple[str, ...], points: int, first_tokens: int, mo
             vocab_size = head_vocab_size(cfg.init_head, layers) if cfg.init_head is not None else cfg.head_vocab
             vocab_ids = torch.as_tensor(top_token_ids(counts, vocab_size, always=eos_ids))
             student = make_head(model, feature_layers=layers, draft_token_ids=vocab_ids, warm_start=cfg.warm_start,
-                                warm_attention=cfg.warm_attention, seed=cfg.seed)
+                                warm_attention=cfg.starts_attention_warm, seed=cfg.seed)
             if cfg.init_head is not None:
                 load_head_weights(student, cfg.init_head)
             student = student.to(device)

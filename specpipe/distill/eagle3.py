@@ -217,7 +217,7 @@ class Eagle3HeadModule(nn.Module):
 
 
 def make_head(target, *, feature_layers: Sequence[int], draft_token_ids: torch.Tensor, warm_start: bool,
-              seed: int, warm_attention: bool = False) -> Eagle3HeadModule:
+              warm_attention: bool, seed: int) -> Eagle3HeadModule:
     """A head for `target` (a transformers Llama-family causal LM) over the draft vocabulary `draft_token_ids`.
 
     warm_start: lm_head rows are the target's head rows of the draft tokens, the final norm is the target's, the
@@ -227,7 +227,10 @@ def make_head(target, *, feature_layers: Sequence[int], draft_token_ids: torch.T
     expect (held-out position 1 after 60k training tokens: 0.32 against 0.275 without it, docs/eagle3.md).
     warm_attention (with warm_start): the attention is the last layer's too, on the hidden half of its 2H input
     (hidden_norm, the hidden columns of q/k/v, o_proj), so the head starts as the target's last layer over the deepest
-    feature (docs/eagle3.md 3q measures what it buys). Otherwise every weight is random (norms at one)."""
+    feature (docs/eagle3.md 3q measures what it buys); it needs warm_start (ValueError otherwise). Otherwise every
+    weight is random (norms at one)."""
+    if warm_attention and not warm_start:
+        raise ValueError("warm_attention copies the target's attention onto the warm start's fc: it needs warm_start")
     torch.manual_seed(seed)
     shape = HeadShape.from_target(target.config, feature_layers, len(draft_token_ids))
     head = Eagle3HeadModule(shape)

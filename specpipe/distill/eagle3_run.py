@@ -71,7 +71,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     counts = count_tokens(train_set, model.config.vocab_size)
     vocab_ids = top_token_ids(counts, vocab_size, always=eos_ids)
     head = make_head(model, feature_layers=layers, draft_token_ids=torch.as_tensor(vocab_ids), warm_start=cfg.warm_start,
-                     warm_attention=cfg.warm_attention, seed=cfg.seed)
+                     warm_attention=cfg.starts_attention_warm, seed=cfg.seed)
     if cfg.init_head is not None:  # train further: its weights and its draft vocabulary, not this data's
         load_head_weights(head, cfg.init_head)
         vocab_ids = head.draft_to_target(torch.arange(head.shape.draft_vocab_size)).numpy()
@@ -106,7 +106,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
         "training": {"steps": state.step, "seconds": round(state.elapsed_s, 1), "tokens_seen": state.tokens_seen,
                      "epochs": round(state.tokens_seen / max(1, sum(len(s) for s in train_set)), 2),
                      "ttt_steps": cfg.ttt_steps, "ttt_decay": cfg.ttt_decay, "warm_start": cfg.warm_start,
-                     "warm_attention": cfg.warm_attention,
+                     "warm_attention": cfg.starts_attention_warm,
                      "init_head": str(cfg.init_head) if cfg.init_head else None,
                      "final_loss": round(state.recent_loss, 4), "history": state.history},
         # Step-0 agreement with the target's greedy token on held-out prompts, of the weights kept (the best seen).
