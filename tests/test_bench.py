@@ -49,7 +49,8 @@ def test_bench_json_has_every_field(engines, capsys, tmp_path):
                           "hf prompt-lookup"]
         for row in prompt_set["rows"]:
             for key in ("tokens_per_s", "ttft_ms", "acceptance_rate", "mean_accepted_len", "speedup", "ms_per_token",
-                        "matches_target", "prompts", "copied_share", "copied_acceptance"):
+                        "matches_target", "prompts", "copied_share", "copied_acceptance", "speedup_ci95",
+                        "speedup_of_medians"):
                 assert key in row
             assert row["tokens_per_s"] > 0 and row["ttft_ms"] > 0 and row["prompts"] == 2
         rows = {row["label"]: row for row in prompt_set["rows"]}
@@ -82,6 +83,7 @@ def test_bench_json_has_every_field(engines, capsys, tmp_path):
     printed = io.StringIO()
     print_tables(results, Console(file=printed, width=100))
     assert printed.getvalue().startswith(f"measured on: {results['machine']['summary']}\n")
+    assert "95% interval over these prompts: K=1 " in " ".join(printed.getvalue().split())  # rich wraps at 100
 
 
 def test_self_draft_is_always_accepted(engines, capsys):
@@ -120,7 +122,8 @@ def test_each_step_is_judged_against_its_own_rounds_bandwidth():
 
 
 def test_summary_conventions():
-    """Pooled acceptance, bonus-inclusive mean accepted length, speedup as a ratio of median tokens/s."""
+    """Pooled acceptance, bonus-inclusive mean accepted length, speedup paired by prompt (both prompts twice as fast,
+    so every estimator agrees here; the next test tells them apart)."""
     base = [Measurement("a", 10, 1000.0, 100.0, token_ids=[1] * 10), Measurement("b", 10, 2000.0, 100.0, token_ids=[2] * 10)]
     spec = [Measurement("a", 10, 500.0, 50.0, drafted=8, accepted=6, steps=4, emitted=10, token_ids=[1] * 10),
             Measurement("b", 10, 1000.0, 50.0, drafted=12, accepted=4, steps=6, emitted=10, token_ids=[9] * 10)]
@@ -128,9 +131,45 @@ def test_summary_conventions():
     assert row["acceptance_rate"] == pytest.approx(10 / 20)
     assert row["mean_accepted_len"] == pytest.approx(20 / 10)
     assert row["tokens_per_s"] == pytest.approx(15.0)  # median of 20 and 10 tok/s
-    assert row["speedup"] == pytest.approx(15.0 / 7.5)
+    assert row["speedup"] == pytest.approx(15.0 / 7.5) and row["speedup_of_medians"] == pytest.approx(15.0 / 7.5)
+    assert row["speedup_ci95"] == pytest.approx([2.0, 2.0])
     assert row["matches_target"] == 1
     assert row["ms_per_token"] == pytest.approx((450 / 9 + 950 / 9) / 2)
+
+
+def test_speedup_pairs_each_prompt_with_its_own_target_only_run():
+    """Each prompt's two runs ran back to back, so a spell of the machine or a prompt's own rate hits both sides of its
+    ratio; the speedup is the geometric mean of those ratios, paired by prompt id (not by list order), with a t
+    interval on the log ratios. The unpaired ratio of medians (kept as speedup_of_medians) is another figure."""
+    from specpipe.bench.harness import paired_speedup
+
+    def run(pid, tps):
+        return Measurement(pid, 30, 30 / tps * 1e3, 10.0)
+
+    base = [run("a", 20.0), run("b", 10.0), run("c", 8.0)]
+    spec = [run("c", 12.0), run("a", 30.0), run("b", 15.0)]  # each 1.5x its own, in another order
+    row = summarize("adaptive", "speculative", None, spec, base)
+    assert row["speedup"] == pytest.approx(1.5) and row["speedup_ci95"] == pytest.approx([1.5, 1.5])
+    assert row["speedup_per_prompt_median"] == pytest.approx(1.5)
+
+    spec = [run("a", 24.0), run("b", 15.0), run("c", 14.4)]  # 1.2x, 1.5x, 1.8x
+    row = summarize("adaptive", "speculative", None, spec, base)
+    assert row["speedup"] == pytest.approx((1.2 * 1.5 * 1.8) ** (1 / 3))
+    assert row["speedup_of_medians"] == pytest.approx(15.0 / 10.0)
+
+    # Ratios that differ: the geometric mean, inside a t interval on the logs (scipy.stats), wider with more spread
+    mean, (low, high) = paired_speedup([1.2, 1.5, 1.8])
+    assert mean == pytest.approx((1.2 * 1.5 * 1.8) ** (1 / 3))
+    import math
+
+    from scipy import stats
+
+    logs = [math.log(x) for x in (1.2, 1.5, 1.8)]
+    half = stats.t.ppf(0.975, 2) * stats.sem(logs)
+    assert (low, high) == pytest.approx((mean * math.exp(-half), mean * math.exp(half)))
+    _, (low2, high2) = paired_speedup([1.4, 1.5, 1.6])
+    assert low < low2 < high2 < high
+    assert paired_speedup([1.3]) == (pytest.approx(1.3), None) and paired_speedup([]) == (None, None)
 
 
 def test_bad_inputs(engines, tmp_path, capsys):

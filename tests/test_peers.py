@@ -110,7 +110,9 @@ def test_equality_with_the_peers_own_target_only():
     spec = _runs([1, 2, 3], [4, 9, 6], [7, 8], ms=500.0)
     assert mismatches(spec, own) == [{"prompt_id": "p1", "first_difference_at": 1}]
     row = check_against_own({"tokens_per_s": 5.0}, spec, own)
-    assert row["matches_target"] == 2 and row["own_speedup"] == pytest.approx(5.0 / 3.0)
+    # paired by prompt, as the harness's speedup: every prompt ran twice as fast as its own target-only run
+    assert row["matches_target"] == 2 and row["own_speedup"] == pytest.approx(2.0)
+    assert row["own_speedup_ci95"] == pytest.approx([2.0, 2.0])
     assert row["mismatches"] == [{"prompt_id": "p1", "first_difference_at": 1}]
     assert check_against_own({"tokens_per_s": 5.0}, spec, None)["matches_target"] is None
 

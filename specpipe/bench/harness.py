@@ -12,8 +12,14 @@ Conventions (see specpipe.speculative.stats for the decoder's):
   ttft_ms: median time to the first token; ms_per_token: median decode time per token after the first.
 - acceptance_rate = accepted / drafted, and mean_accepted_len = emitted tokens per target step
   (bonus included), both pooled over all prompts.
-- speedup = the row's median tokens/s / the target-only row's median tokens/s. The target-only row is the target
-  as deployed without a draft: unpadded. A target that pads its 1-token steps to 2 rows so they score like verify
+- speedup = the geometric mean over prompts of each prompt's tokens/s against the target-only row's on the same
+  prompt (`paired_speedup`): the two ran back to back, so a spell of the machine's bandwidth or load hits both sides of
+  each ratio, and a prompt's own length or rate cancels. speedup_ci95: its 95% interval (Student's t on the log
+  ratios, scipy.stats): how far the mean over prompts like these could lie, prompts differing among themselves.
+  speedup_of_medians: the estimator before 2026-11-29 (the row's median tokens/s / the target-only row's median,
+  unpaired: the median prompt of one row need not be the other's), kept to compare with earlier records; on the
+  session-34 benches of one deployment it read 1.51x and 1.40x where the paired one read 1.53x and 1.49x
+  (docs/benchmarks.md). The target-only row is the target as deployed without a draft: unpadded. A target that pads its 1-token steps to 2 rows so they score like verify
   rows (engines/onnxruntime.py `min_rows`) runs ~5-10% slower alone; that padded run is its own row
   (PADDED_BASELINE), the reference for matches_target.
 - matches_target: prompts whose token ids equal the target alone's on the same engine session (the padded row when
@@ -143,16 +149,49 @@ def summarize(label: str, kind: str, k: Optional[int], runs: list[Measurement], 
         "copied_acceptance": (sum(m.copied_accepted for m in runs) / sum(m.copied_drafted for m in runs)
                               if any(m.copied_drafted for m in runs) else None),
         "speedup": None,
+        "speedup_ci95": None,
+        "speedup_of_medians": None,
         "speedup_per_prompt_median": None,
         "matches_target": None,
     }
     if baseline:
         base_tps = statistics.median(m.tokens_per_s for m in baseline)
-        row["speedup"] = row["tokens_per_s"] / base_tps if base_tps else None
-        ratios = [m.tokens_per_s / b.tokens_per_s for m, b in zip(runs, baseline) if b.tokens_per_s]
+        row["speedup_of_medians"] = row["tokens_per_s"] / base_tps if base_tps else None
+        ratios = prompt_ratios(runs, baseline)
         row["speedup_per_prompt_median"] = statistics.median(ratios) if ratios else None
+        row["speedup"], row["speedup_ci95"] = paired_speedup(ratios)
         row["matches_target"] = sum(m.token_ids == b.token_ids for m, b in zip(runs, reference or baseline) if m.token_ids)
     return row
+
+
+def prompt_ratios(runs: list[Measurement], baseline: list[Measurement]) -> list[float]:
+    """Each prompt's tokens/s in `runs` over its own in `baseline` (paired by prompt id where both carry one, else by
+    position: run_rows keeps one prompt order for every row); prompts either side could not time are left out."""
+    if all(m.prompt_id for m in [*runs, *baseline]):
+        by_id = {b.prompt_id: b for b in baseline}
+        pairs = [(m, by_id[m.prompt_id]) for m in runs if m.prompt_id in by_id]
+    else:
+        pairs = list(zip(runs, baseline))
+    return [m.tokens_per_s / b.tokens_per_s for m, b in pairs if m.tokens_per_s > 0 and b.tokens_per_s > 0]
+
+
+def paired_speedup(ratios: list[float], confidence: float = 0.95) -> tuple[Optional[float], Optional[list[float]]]:
+    """(geometric mean of per-prompt ratios, its `confidence` interval), Student's t on the log ratios; the interval
+    is None under two prompts, a point when every prompt's ratio is the same. (None, None) without ratios."""
+    import numpy as np
+    from scipy import stats
+
+    if not ratios:
+        return None, None
+    logs = np.log(np.asarray(ratios, dtype=np.float64))
+    mean = float(np.exp(logs.mean()))
+    if len(logs) < 2:
+        return mean, None
+    spread = float(stats.sem(logs))
+    if spread == 0.0:
+        return mean, [mean, mean]
+    low, high = stats.t.interval(confidence, len(logs) - 1, loc=logs.mean(), scale=spread)
+    return mean, [float(np.exp(low)), float(np.exp(high))]
 
 
 def _by_position(runs: list[Measurement]) -> Optional[list[float]]:

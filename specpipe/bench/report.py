@@ -54,6 +54,11 @@ def print_tables(results: dict, console=None) -> None:
                 matches if not row.get("mismatches") else f"[red]{matches}[/]",
             )
         console.print(table)
+        spread = [(row["label"], row.get("own_speedup_ci95") if row.get("peer") else row.get("speedup_ci95"))
+                  for row in s["rows"] if row["strategy"] != "target-only"]
+        if any(ci for _, ci in spread):
+            console.print("speedup: each prompt against its own target-only run, geometric mean; 95% interval over these "
+                          "prompts: " + ", ".join(f"{escape(label)} {ci[0]:.2f}-{ci[1]:.2f}x" for label, ci in spread if ci))
         for row in s["rows"]:
             if row.get("mismatches"):
                 where = ", ".join(f"{m['prompt_id']} at token {m['first_difference_at']}" for m in row["mismatches"][:4])

@@ -1,7 +1,8 @@
 """Peer rows beside specpipe's: the ratio to specpipe's same row, and each peer checked against itself.
 
 Conventions (the bench JSON's per-row fields; the harness's `speedup` stays "vs specpipe's target-only"):
-- own_speedup: a peer row's median tokens/s / the same peer's target-only median tokens/s.
+- own_speedup: a peer row's speedup over the same peer's target-only runs, paired by prompt as the harness's
+  `speedup` is (the geometric mean of per-prompt ratios; own_speedup_ci95 its 95% interval).
 - vs_specpipe: a row's median tokens/s / specpipe's row of the same strategy and K (target-only with
   target-only; draft-model K=4 with specpipe's K=4 when specpipe drafts with a model; a peer's own
   modes, adaptive or prompt lookup with its own settings, with specpipe's adaptive row of the same
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from specpipe.bench.harness import BASELINE, Measurement
+from specpipe.bench.harness import BASELINE, Measurement, paired_speedup, prompt_ratios
 
 
 def own_baseline_label(peer: Optional[str]) -> str:
@@ -43,13 +44,10 @@ def mismatches(runs: list[Measurement], reference: list[Measurement]) -> list[di
 def check_against_own(row: dict, runs: list[Measurement], own_baseline: Optional[list[Measurement]]) -> dict:
     """Fill a peer row's own_speedup, matches_target and mismatches from the same peer's target-only runs."""
     if not own_baseline:
-        row.update(own_speedup=None, matches_target=None, mismatches=[])
+        row.update(own_speedup=None, own_speedup_ci95=None, matches_target=None, mismatches=[])
         return row
-    import statistics
-
-    base_tps = statistics.median(m.tokens_per_s for m in own_baseline)
     different = mismatches(runs, own_baseline)
-    row["own_speedup"] = row["tokens_per_s"] / base_tps if base_tps else None
+    row["own_speedup"], row["own_speedup_ci95"] = paired_speedup(prompt_ratios(runs, own_baseline))
     row["matches_target"] = len(runs) - len(different)
     row["mismatches"] = different
     return row
