@@ -19,9 +19,9 @@ Conventions (see specpipe.speculative.stats for the decoder's):
   speedup_of_medians: the estimator before 2026-11-29 (the row's median tokens/s / the target-only row's median,
   unpaired: the median prompt of one row need not be the other's), kept to compare with earlier records; on the
   session-34 benches of one deployment it read 1.51x and 1.40x where the paired one read 1.53x and 1.49x
-  (docs/benchmarks.md). The target-only row is the target as deployed without a draft: unpadded. A target that pads its 1-token steps to 2 rows so they score like verify
-  rows (engines/onnxruntime.py `min_rows`) runs ~5-10% slower alone; that padded run is its own row
-  (PADDED_BASELINE), the reference for matches_target.
+  (docs/benchmarks.md). The target-only row is the target as deployed without a draft: unpadded. A target that
+  pads its 1-token steps to 2 rows so they score like verify rows (engines/onnxruntime.py `min_rows`) runs ~5-10%
+  slower alone; that padded run is its own row (PADDED_BASELINE), the reference for matches_target.
 - matches_target: prompts whose token ids equal the target alone's on the same engine session (the padded row when
   there is one; greedy must give all of them).
 """
