@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from specpipe.bench.harness import BASELINE, Measurement, summarize
-from specpipe.bench.report import print_tables
+from specpipe.bench.report import print_line, print_tables
 from specpipe.cli import main
 
 
@@ -119,6 +119,16 @@ def test_each_step_is_judged_against_its_own_rounds_bandwidth():
     assert out["step_vs_floor_min"] == pytest.approx(1.2) and out["step_vs_floor_max"] == pytest.approx(1.2)
     assert (out["bandwidth_gb_s_min"], out["bandwidth_gb_s"], out["bandwidth_gb_s_max"]) == (30.0, 40.0, 50.0)
     assert out["floor_ms_per_token"] == pytest.approx(7.5)  # at the median bandwidth
+
+
+def test_the_machine_line_is_one_line_at_any_width():
+    """A CPU with AVX-512 and AMX names ten ISA flags: the line stays whole (a planted console.print wraps it at
+    the console's width) and brackets in a CPU's name print as they are (rich would read them as markup)."""
+    summary = ("Intel Xeon [sim] (AVX2, FMA, AVX-512F, AVX512-VNNI, AVX512-BF16, AMX-TILE, AMX-BF16, AVX-VNNI), "
+               "2 cores, 2 threads")
+    printed = io.StringIO()
+    print_line(Console(file=printed, width=40), f"measured on: {summary}")
+    assert printed.getvalue() == f"measured on: {summary}\n"
 
 
 def test_summary_conventions():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from specpipe.bench.report import save_figure
+from specpipe.bench.report import print_line, save_figure
 
 
 def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
@@ -53,9 +53,9 @@ def print_table(report: dict, console=None) -> None:
     for run in report["runs"]:
         settings = run["settings"]
         k = "the deployment's" if settings["num_draft_tokens"] is None else str(settings["num_draft_tokens"])
-        console.print(f"{run['label']}: {run['target']} ({run['model']}), {settings['max_tokens']} tokens per request, "
-                      f"{settings['prompts'] or settings['prompt_set']} prompts, K {k}; measured on "
-                      f"{run['machine']['summary']}")
+        print_line(console, f"{run['label']}: {run['target']} ({run['model']}), {settings['max_tokens']} tokens per "
+                            f"request, {settings['prompts'] or settings['prompt_set']} prompts, K {k}; measured on "
+                            f"{run['machine']['summary']}")
         for level in run["levels"]:
             for message, count in level["error_messages"].items():
                 console.print(f"  {level['concurrency']} users, {count} x error: {message}")

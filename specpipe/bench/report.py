@@ -10,6 +10,12 @@ def _fmt(value: Optional[float], spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def print_line(console, text: str) -> None:
+    """One record, one line, whatever the console's width: the machine line names ~10 ISA flags on a CPU with AVX-512
+    and AMX, and scripts and readers find it by its start; rich would wrap it and read brackets in it as markup."""
+    console.print(text, soft_wrap=True, markup=False, highlight=False)
+
+
 def print_tables(results: dict, console=None) -> None:
     from rich import box
     from rich.console import Console
@@ -17,7 +23,7 @@ def print_tables(results: dict, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    console.print(f"measured on: {results['machine']['summary']}")
+    print_line(console, f"measured on: {results['machine']['summary']}")
     for s in results["sets"]:
         table = Table(title=f"{s['name']}: {s['prompts']} prompts, {results['settings']['max_new_tokens']} new tokens, "
                             f"greedy, {results['settings']['threads']} threads", title_justify="left",
