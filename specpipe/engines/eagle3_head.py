@@ -21,7 +21,8 @@ vocabulary 8192: 35 MB in fp32 against the target's 540 MB), so its cost is band
 (~0.3-0.7 ms). `dtype` "bfloat16" keeps the matrices in bf16 and multiplies in bf16 (norms, RoPE, softmax and the
 state stay fp32): on a Zen 4 (AVX512-BF16) the head's matrix-vector products ran ~3.5x faster, on an Intel
 Emerald Rapids with AMX 1.6x slower (6.60 against 4.06 ms a step, docs/demo.md session 36), so builds time every
-dtype (drafts/eagle3.py `fastest_head_dtype`); "auto" without a measurement picks bf16 where the ISA has it. The q it drafts from is whatever it computes, so either dtype keeps decoding lossless.
+dtype (drafts/eagle3.py `fastest_head_dtype`); "auto" without a measurement picks bf16 where the ISA has it. The q it
+drafts from is whatever it computes, so either dtype keeps decoding lossless.
 """
 
 from __future__ import annotations
