@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import pytest
@@ -396,16 +397,19 @@ def _regions_of(repo: Path) -> list[str]:
     return [path.name for path in SHM_DIR.glob(repository_prefix(repo) + "*")]
 
 
-def _stream_in_background(url: str, cfg: GenerationConfig, *, wait: bool = True) -> dict:
-    """A streamed request on a thread: `first` is set at its first response (or its end); then `error` and
-    `failed_at` (time.monotonic()) once it fails; `ended_at` and `done` once it ends either way. `wait`: return
-    only after its first response."""
+def _stream_in_background(url: str, cfg: GenerationConfig, *, wait: bool = True,
+                          on_first: Optional[Callable[[], None]] = None) -> dict:
+    """A streamed request on a thread: `first` is set at its first response (or its end), after `on_first` ran on
+    the request's own thread; then `error` and `failed_at` (time.monotonic()) once it fails; `ended_at` and `done`
+    once it ends either way. `wait`: return only after its first response."""
     state = {"first": threading.Event(), "error": None, "failed_at": None, "ended_at": None, "crash": None,
              "done": threading.Event()}
 
     def run() -> None:
         try:
             for _ in remote_generate(url, PROMPTS[0], cfg, stream=True, timeout_s=30):
+                if on_first is not None and not state["first"].is_set():
+                    on_first()
                 state["first"].set()
         except ServerError as err:
             state["error"], state["failed_at"] = str(err), time.monotonic()
@@ -449,9 +453,14 @@ def test_serve_killed_with_a_request_in_flight_leaves_nothing_and_the_next_serve
         lines, reader = _until_ready(process)
         [stub] = _stubs_of(repo)
         assert _regions_of(repo) == [stub.shm_region]
-        request = _stream_in_background(f"127.0.0.1:{cfg.grpc_port}", IN_FLIGHT)
+        # In flight for certain: the stub is stopped at the client's first response, so the stream cannot end
+        # before the kill (on a fast CPU under a hog, all 400 tokens once came out between the first response and
+        # the kill: no error to see); it continues right after, as a busy stub would, to find its server gone.
+        request = _stream_in_background(f"127.0.0.1:{cfg.grpc_port}", IN_FLIGHT,
+                                        on_first=lambda: os.kill(stub.pid, signal.SIGSTOP))
         killed = time.monotonic()
         os.kill(stub.server_pid, signal.SIGKILL)
+        os.kill(stub.pid, signal.SIGCONT)
 
         # How soon each thing happens depends on the machine's load: printed below, bounded only by deadlines.
         assert request["done"].wait(DEADLINE_S), f"the client got no error within {DEADLINE_S} s"
