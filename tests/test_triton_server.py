@@ -453,9 +453,11 @@ def test_serve_killed_with_a_request_in_flight_leaves_nothing_and_the_next_serve
         lines, reader = _until_ready(process)
         [stub] = _stubs_of(repo)
         assert _regions_of(repo) == [stub.shm_region]
-        # In flight for certain: the stub is stopped at the client's first response, so the stream cannot end
-        # before the kill (on a fast CPU under a hog, all 400 tokens once came out between the first response and
-        # the kill: no error to see); it continues right after, as a busy stub would, to find its server gone.
+        # In flight at the kill: the client's own thread stops the stub as it reads the first response, so the
+        # stream can end first only if that thread is starved for the whole rest of it (~0.4 s of 400 tokens
+        # here), not across a hand-off to this thread as before (on a fast CPU under a hog all 400 tokens once
+        # came out between the first response and the kill: no error to see). The stub continues right after,
+        # as a busy stub would, to find its server gone.
         request = _stream_in_background(f"127.0.0.1:{cfg.grpc_port}", IN_FLIGHT,
                                         on_first=lambda: os.kill(stub.pid, signal.SIGSTOP))
         killed = time.monotonic()
