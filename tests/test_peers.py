@@ -301,3 +301,17 @@ def test_llamacpp_prompt_lookup_takes_a_prompt_longer_than_its_batch(tiny_f32_gg
     lookup = LlamaGenerate(load(tiny_f32_gguf, 1, draft_model=LlamaPromptLookupDecoding(**PROMPT_LOOKUP)), [2])(prompt, 6)
     assert alone.num_generated == lookup.num_generated == 6
     assert lookup.token_ids == alone.token_ids  # fp32: the lookup row's greedy output is the target's
+
+
+def test_the_real_llama_cpp_takes_use_extra_bufts(tiny_f32_gguf):
+    """The probe's fallback (peers/llamacpp.py `_llama`) reaches llama.h's `use_extra_bufts` through the binding."""
+    note = missing_note("llamacpp")
+    if note:
+        pytest.skip(note)
+    from specpipe.bench.peers import llamacpp
+
+    off = llamacpp._llama(tiny_f32_gguf, extra_buffers=False, n_ctx=64, n_threads=1, verbose=False)
+    assert off.model_params.use_extra_bufts is False
+    off.eval([1, 2, 3])
+    on = llamacpp._llama(tiny_f32_gguf, n_ctx=64, n_threads=1, verbose=False)
+    assert on.model_params.use_extra_bufts is True

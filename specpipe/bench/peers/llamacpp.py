@@ -11,12 +11,25 @@ Rows: target alone; prompt lookup (`LlamaPromptLookupDecoding`, the binding's ow
 draft model at a fixed K through the binding's drafter interface (`LlamaDraftModel`), filled by a
 second `Llama` on the draft GGUF drafting greedily: llama-cpp-python ships the interface but no
 draft-model drafter of its own. llama.cpp reports no acceptance counts here.
+
+A crash of llama.cpp's own kernels would end the whole bench (a signal, not an exception), so each GGUF is first
+run in a child process (`runnable`): load it, evaluate a few tokens. If the child dies, llama.cpp is tried again
+without its extra buffer types (`use_extra_bufts`, llama.h: the repacked weights its AMX and other repacking
+kernels run on) and, if that runs, every `Llama` on that GGUF is made so, with a note; if neither runs, the peer is
+skipped with a note. On an Intel Emerald Rapids (AMX) with llama-cpp-python 0.3.36 built for the machine, Q8_0
+through the AMX buffers died with SIGILL on its first `tilezero`/`tileloadd` (2026-11-30), with or without AMX
+permission asked of the kernel (arch_prctl ARCH_REQ_XCOMP_PERM), while a small C program's tiles ran once it had it.
 """
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import tarfile
 import time
+from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -125,15 +138,85 @@ def _file_type(path: Path) -> Optional[int]:
         return None
 
 
-def load(gguf: Path, threads: int, draft_model=None):
+# Run in a child: load a GGUF as `load` does, with or without extra buffer types, and evaluate a few tokens.
+_PROBE = """
+import sys
+from specpipe.bench.peers.llamacpp import _llama
+llm = _llama(sys.argv[1], extra_buffers=sys.argv[2] == "1", n_ctx=64, n_threads=int(sys.argv[3]),
+             n_threads_batch=int(sys.argv[3]), verbose=False)
+llm.eval([1, 2, 3, 4])
+llm.eval([5])
+"""
+PROBE_TIMEOUT_S = 300
+
+
+def _died(gguf: Path, threads: int, extra_buffers: bool) -> Optional[str]:
+    """None if the probe ran; else how the child ended (a signal's name, or its exit code and last line)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, str(gguf), "1" if extra_buffers else "0", str(threads)],
+                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"no answer in {PROBE_TIMEOUT_S} s"
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        return signal.Signals(-done.returncode).name
+    return f"exit {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1]}"
+
+
+@lru_cache(maxsize=None)
+def runnable(gguf: Path, threads: int) -> tuple[bool, Optional[str]]:
+    """(extra buffer types on, note) for a GGUF llama.cpp runs here (module docstring); ExportError if it runs in
+    neither way."""
+    died = _died(gguf, threads, extra_buffers=True)
+    if died is None:
+        return True, None
+    died_plain = _died(gguf, threads, extra_buffers=False)
+    if died_plain is None:
+        return False, (f"llama.cpp died ({died}) running {gguf.parent.name}/{gguf.name} on its repacked CPU buffers "
+                       f"(AMX, repack) in a probe: its rows here run without them (use_extra_bufts off)")
+    raise ExportError(f"llama.cpp died running {gguf.name} on this CPU ({died}; without extra buffer types: "
+                      f"{died_plain})")
+
+
+@contextmanager
+def _model_params(extra_buffers: bool):
+    """llama-cpp-python's `Llama` (0.3.x) takes no argument for llama.h's `use_extra_bufts`; it starts from
+    `llama_model_default_params()`, so that is what is changed, for the one constructor call."""
+    import llama_cpp.llama_cpp as lib
+
+    if extra_buffers:
+        yield
+        return
+    default = lib.llama_model_default_params
+
+    def without_extra_buffers():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = without_extra_buffers
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = default
+
+
+def _llama(model_path: str, *, extra_buffers: bool = True, **kwargs):
     from llama_cpp import Llama
 
+    with _model_params(extra_buffers):
+        return Llama(model_path=str(model_path), **kwargs)
+
+
+def load(gguf: Path, threads: int, draft_model=None):
     # With a draft model llama-cpp-python keeps every position's logits (llama.py 0.3.36: `_logits_all = logits_all if
     # draft_model is None else True`) but sizes its `scores` array by the logits_all argument (n_batch rows when
     # False), so a prompt longer than n_batch (512) raised a ValueError in eval. Asking for logits_all with a draft
     # model sizes the array for the context (n_ctx rows), as the eval writes it.
-    return Llama(model_path=str(gguf), n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, verbose=False,
-                 draft_model=draft_model, logits_all=draft_model is not None)
+    extra_buffers, _ = runnable(gguf, threads)
+    return _llama(gguf, extra_buffers=extra_buffers, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads,
+                  verbose=False, draft_model=draft_model, logits_all=draft_model is not None)
 
 
 class LlamaGenerate:
@@ -200,10 +283,10 @@ def accuracy(pair: PeerPair, token_batches) -> tuple[object, str]:
 
 def _all_logits(gguf: Path, threads: int):
     import numpy as np
-    from llama_cpp import Llama
 
-    llm = Llama(model_path=str(gguf), n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, logits_all=True,
-                verbose=False)
+    extra_buffers, _ = runnable(gguf, threads)
+    llm = _llama(gguf, extra_buffers=extra_buffers, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads,
+                 logits_all=True, verbose=False)
 
     def logits(token_ids: list[int]) -> np.ndarray:  # [len(token_ids), vocab] from an empty cache
         llm.reset()
@@ -220,15 +303,19 @@ def rows(pair: PeerPair) -> tuple[list[PeerRow], list[str]]:
     target_gguf, note = gguf_for(pair.target_dir, pair.target_gguf, pair.precision)
     notes += [f"target {note}"] if note else []
     precision = pair.precision if note is None else target_gguf.name
+    _, probed = runnable(target_gguf, pair.threads)  # ExportError if llama.cpp cannot run it here: no rows
+    notes += [probed] if probed else []
     out = [PeerRow("llamacpp target-only", "llamacpp", "target-only", None, precision,
                    LlamaGenerate(load(target_gguf, pair.threads), eos))]
     if pair.draft_dir is not None:
         try:
             draft_gguf, note = gguf_for(pair.draft_dir, pair.draft_gguf, pair.precision)
+            _, probed = runnable(draft_gguf, pair.threads)
         except ExportError as err:
             notes.append(f"draft-model rows skipped: {err}")
         else:
             notes += [f"draft {note}"] if note else []
+            notes += [probed] if probed else []
             drafter = draft_model_drafter(load(draft_gguf, pair.threads))
             speculative = load(target_gguf, pair.threads, drafter)
             for k in pair.draft_lengths:
