@@ -19,6 +19,8 @@ kernels run on) and, if that runs, every `Llama` on that GGUF is made so, with a
 skipped with a note. On an Intel Emerald Rapids (AMX) with llama-cpp-python 0.3.36 built for the machine, Q8_0
 through the AMX buffers died with SIGILL on its first `tilezero`/`tileloadd` (2026-11-30), with or without AMX
 permission asked of the kernel (arch_prctl ARCH_REQ_XCOMP_PERM), while a small C program's tiles ran once it had it.
+Upstream has the same report from a virtualized guest (ggml-org/llama.cpp#28756, open: SIGILL on the AMX path of a
+CPU that reports AMX_INT8) and ggml's "AMX is not ready to be used!" before an illegal instruction (#13678).
 """
 
 from __future__ import annotations
