@@ -434,7 +434,7 @@ def test_planted_binding_bugs_fail(pair, torch_target, monkeypatch, planted):
     import specpipe.engines.shared_kv as shared_kv
 
     if planted == "returns the kept buffer":  # no copy out of the output buffer the next call overwrites
-        def forward(self, token_ids, last=None):
+        def forward(self, token_ids, last=None, *, lend=False):
             batch, pad = self.batch, max(0, self.batch.engine.min_rows - len(token_ids))
             batch._reserve(len(self.tokens) + len(token_ids) + pad)
             ids = np.asarray([token_ids + token_ids[-1:] * pad])
@@ -453,6 +453,82 @@ def test_planted_binding_bugs_fail(pair, torch_target, monkeypatch, planted):
         monkeypatch.setattr(shared_kv.KVBatch, "_grow", grow_keeping_bindings)
     with pytest.raises(AssertionError):
         check_kept_bindings(pair, torch_target)
+
+
+def check_inputs_kept_bound(pair, torch_target):
+    """Token ids written into arrays bound once per call shape, the logits index bound once, an all-ones mask as a
+    view of kept memory (KVBinding.bind_inputs / bind_row), and lent logits (append_lent): every call's logits are
+    still the target's, whatever shape came before it, and the batched masks with rows of equal and of unequal
+    lengths are right."""
+    rng = np.random.default_rng(11)
+    ids = [int(t) for t in rng.integers(3, 300, size=24)]
+    reference = torch_logits(torch_target, ids)
+    row = pair.target.new_batch(1).new_sequence()
+    row.append(ids[:6], last=1)
+    at, lent = 6, []
+    for size in (1, 1, 3, 1, 2, 2, 1, 3, 1):  # decode steps and verify-sized calls, shapes changing and repeating
+        logits = row.append_lent(ids[at : at + size], last=size)
+        np.testing.assert_allclose(logits, reference[at : at + size], atol=1e-4)
+        lent.append(logits)
+        at += size
+    assert np.shares_memory(lent[0], lent[1])  # lent: the binding's own buffer, no copy
+    kept = row.append(ids[at : at + 1])
+    np.testing.assert_allclose(kept, reference[at : at + 1], atol=1e-4)
+    row.append_lent(ids[at + 1 : at + 2])
+    np.testing.assert_allclose(kept, reference[at : at + 1], atol=1e-4)  # append's copy outlives the next call
+    batch = pair.target.new_batch(3)
+    rows = batch.new_sequence(), batch.new_sequence(), batch.new_sequence()
+    prompts = [[int(t) for t in rng.integers(3, 300, size=n)] for n in (5, 5, 9)]
+    batch.prefill(rows, prompts)
+    firsts = batch.decode(rows[:2], [7, 8])  # two rows of equal length: the mask of kept ones
+    batch.decode(rows[2:], [9])
+    mixed = batch.decode(rows, [10, 11, 12])  # unequal lengths: a mask of each row's own
+    for i, (prompt, tokens) in enumerate(zip(prompts, ([7, 10], [8, 11], [9, 12]))):
+        expected = torch_logits(torch_target, prompt + tokens)
+        if i < 2:
+            np.testing.assert_allclose(firsts[i], expected[-2], atol=1e-4)
+        np.testing.assert_allclose(mixed[i], expected[-1], atol=1e-4)
+
+
+def test_inputs_stay_bound_and_lent_logits_are_the_targets(pair, torch_target):
+    check_inputs_kept_bound(pair, torch_target)
+
+
+@pytest.mark.parametrize("planted", ["ids bound, not written", "ids bound once for every shape",
+                                     "ones for unequal rows", "index rebound never"])
+def test_planted_input_binding_bugs_fail(pair, torch_target, monkeypatch, planted):
+    import specpipe.engines.shared_kv as shared_kv
+
+    binding = shared_kv.KVBinding
+    if planted == "ids bound, not written":
+        bind_ids = binding._bind_ids
+        monkeypatch.setattr(binding, "_bind_ids", lambda self, token_ids, rows, new: bind_ids(
+            self, token_ids if new > shared_kv._KEPT_OUTPUT_TOKENS or (rows, new) not in self._ids else self._ids[(rows, new)],
+            rows, new))
+    elif planted == "ids bound once for every shape":
+        bind_ids = binding._bind_ids
+
+        def once(self, token_ids, rows, new):
+            if self._ids_bound != (0, 0) and new <= shared_kv._KEPT_OUTPUT_TOKENS:
+                self._ids_bound = (rows, new)
+            bind_ids(self, token_ids, rows, new)
+
+        monkeypatch.setattr(binding, "_bind_ids", once)
+    elif planted == "ones for unequal rows":
+        bind_inputs = binding.bind_inputs
+        monkeypatch.setattr(binding, "bind_inputs", lambda self, input_ids, totals, index: bind_inputs(
+            self, input_ids, np.full_like(totals, totals.max()), index))
+    else:
+        bind_index = binding._bind_index
+
+        def never(self, index):
+            if self._index_bound is None:
+                bind_index(self, index)
+
+        monkeypatch.setattr(binding, "_bind_index", never)
+    # A stale index either picks the wrong positions or points past the call's tokens (ONNX Runtime refuses it).
+    with pytest.raises(AssertionError if planted != "index rebound never" else (AssertionError, RuntimeError)):
+        check_inputs_kept_bound(pair, torch_target)
 
 
 def check_a_binding_lets_go_of_a_prompts_logits(engine):

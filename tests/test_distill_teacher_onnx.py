@@ -144,8 +144,8 @@ def test_a_prefix_all_prompts_share_runs_once_and_the_records_stay_the_targets(m
     assert shared >= SHARED_PREFIX_MIN
     calls = []
     forward = SlotSequence._forward
-    monkeypatch.setattr(SlotSequence, "_forward", lambda self, ids, last=None: (calls.append(len(ids)),
-                                                                                 forward(self, ids, last))[1])
+    monkeypatch.setattr(SlotSequence, "_forward", lambda self, ids, last=None, **kw: (calls.append(len(ids)),
+                                                                                       forward(self, ids, last, **kw))[1])
     reference, onnx = _answer_both(model, targets, chat_prompts)
     assert calls[: len(chat_prompts)] == [len(chat_prompts[0])] + [len(p) - shared for p in chat_prompts[1:]]
     for seq, ref in zip(onnx, reference):

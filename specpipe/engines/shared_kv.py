@@ -24,6 +24,7 @@ overwrites them. That is what lets a batched call carry rows that have nothing t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -143,26 +144,28 @@ class SharedKVEngine(Engine):
         `preempt`: another thread may stop the call (ONNX Runtime's RunOptions.terminate, checked before each
         node: it returns within a node's time); then this raises `Preempted`. What the stopped call wrote lies
         past each row's length, where nothing reads it (module docstring)."""
-        import onnxruntime as ort
-
         kv = buffers if isinstance(buffers, KVBinding) else self.bind(buffers, extra_outputs)
         if kv.output_names[1:] != tuple(extra_outputs):
             raise ValueError(f"this binding outputs {kv.output_names}, not logits + {tuple(extra_outputs)}")
         rows, new = input_ids.shape
         totals = lengths + (new if new_lengths is None else new_lengths)
-        mask = (np.arange(int(totals.max()))[None, :] < totals[:, None]).astype(np.int64)  # [rows, total]
-        kv.binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-        kv.binding.bind_cpu_input("attention_mask", mask)
-        if logits_at is not None:
+        if logits_at is not None and (logits_at.dtype != np.int64 or logits_at.ndim != 2):
             logits_at = np.ascontiguousarray(logits_at, dtype=np.int64).reshape(rows, -1)
-        if self.selects_logits:
-            kv.binding.bind_cpu_input(LOGITS_INDEX, logits_at if logits_at is not None else _all_positions(rows, new))
+        kv.bind_inputs(input_ids, totals, (logits_at if logits_at is not None else _all_positions(rows, new))
+                       if self.selects_logits else None)
+        return self._run_bound(kv, rows, new, logits_at, preempt)
+
+    def _run_bound(self, kv: "KVBinding", rows: int, new: int, logits_at: Optional[np.ndarray],
+                   preempt: Optional[Preemption]) -> list[np.ndarray]:
+        """`run_outputs` once the inputs are bound: bind the outputs, run, slice an older graph's logits."""
         picked = new if logits_at is None or not self.selects_logits else logits_at.shape[1]
         outputs = kv.bind_outputs(rows, new, picked)
         try:
             if preempt is None:
                 self.session.run_with_iobinding(kv.binding)
             else:
+                import onnxruntime as ort
+
                 run_options = ort.RunOptions()
                 with preempt.running(lambda: setattr(run_options, "terminate", True)):
                     try:
@@ -178,8 +181,20 @@ class SharedKVEngine(Engine):
         return [outputs[0][np.arange(rows)[:, None], logits_at], *outputs[1:]]  # an older graph: sliced here
 
 
+@functools.lru_cache(maxsize=256)
 def _all_positions(rows: int, new: int) -> np.ndarray:
-    return np.tile(np.arange(new, dtype=np.int64), (rows, 1))
+    """[rows, new]: every position's logits (read-only: KVBinding.bind_inputs keeps it bound while it is passed)."""
+    positions = np.tile(np.arange(new, dtype=np.int64), (rows, 1))
+    positions.flags.writeable = False
+    return positions
+
+
+@functools.lru_cache(maxsize=256)
+def _last_positions(new: int, last: int) -> np.ndarray:
+    """[1, last]: the last `last` of a one-row call's `new` positions (read-only, as `_all_positions`)."""
+    positions = np.arange(new - last, new, dtype=np.int64)[None, :]
+    positions.flags.writeable = False
+    return positions
 
 
 # Calls of at most this many new tokens a row (decode steps, speculative verification up to K = 16) write their
@@ -199,6 +214,61 @@ class KVBinding:
         self.dtypes = [np.float16 if outputs[name].type == "tensor(float16)" else np.float32 for name in output_names]
         self._kept: list[np.ndarray] = [np.empty((0, w), d) for w, d in zip(self.widths, self.dtypes)]  # [tokens, width]
         self._bound: tuple[tuple[int, int, int], list[np.ndarray]] = ((0, 0, 0), [])
+        self._ids: dict[tuple[int, int], np.ndarray] = {}  # [rows, new] -> the token ids array bound for that shape
+        self._ids_bound: tuple[int, int] = (0, 0)  # the shape of the one bound now; (0, 0): a prompt's array
+        self._ones = np.ones(0, np.int64)  # all-ones masks are views of this
+        self._index_bound: Optional[np.ndarray] = None  # the read-only logits index bound now
+
+    def bind_inputs(self, input_ids: np.ndarray, totals: np.ndarray, logits_index: Optional[np.ndarray]) -> None:
+        """Bind a call's inputs: token ids [rows, n], the attention mask of rows holding `totals` tokens after it,
+        and the logits index [rows, m] (None: a graph without one). What stays the same from call to call stays
+        bound: a decode or verify call's token ids are written into an array bound once per shape, a read-only
+        index array (_all_positions, _last_positions) is bound once, and when every row reaches the longest total
+        (one row always) the mask is a view of kept ones. Per decode step that leaves one binding, the mask's
+        (its width grows), where building and binding all three cost 0.15-0.25 ms of a SmolLM2-135M step:
+        Python and numpy code running cold, after the step streamed 540 MB of weights through the caches (s38)."""
+        rows, new = input_ids.shape
+        self._bind_ids(input_ids, rows, new)
+        total = int(totals.max())
+        if rows == 1 or bool((totals == total).all()):
+            mask = self._all_ones(rows, total)
+        else:
+            mask = (np.arange(total)[None, :] < totals[:, None]).astype(np.int64)  # [rows, total]
+        self.binding.bind_cpu_input("attention_mask", mask)
+        self._bind_index(logits_index)
+
+    def bind_row(self, token_ids: list[int], total: int, logits_index: Optional[np.ndarray]) -> None:
+        """`bind_inputs` for a one-row call from a token list (SlotSequence._forward): the same bindings with less
+        numpy around them, which is what a decode step's Python costs here."""
+        self._bind_ids(token_ids, 1, len(token_ids))
+        self.binding.bind_cpu_input("attention_mask", self._all_ones(1, total))
+        self._bind_index(logits_index)
+
+    def _bind_ids(self, token_ids, rows: int, new: int) -> None:
+        if new > _KEPT_OUTPUT_TOKENS:  # a prompt: its own array
+            self.binding.bind_cpu_input("input_ids", np.array(token_ids, np.int64).reshape(rows, new))
+            self._ids_bound = (0, 0)
+            return
+        ids = self._ids.get((rows, new))
+        if ids is None:
+            ids = self._ids[(rows, new)] = np.empty((rows, new), np.int64)
+        ids[...] = token_ids  # ONNX Runtime reads this memory when the call runs
+        if self._ids_bound != (rows, new):
+            import onnxruntime as ort
+
+            self.binding.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(ids))
+            self._ids_bound = (rows, new)
+
+    def _all_ones(self, rows: int, total: int) -> np.ndarray:
+        """A [rows, total] mask of ones: a view of kept memory."""
+        if len(self._ones) < rows * total:
+            self._ones = np.ones(2 * rows * total, np.int64)
+        return self._ones[None, :total] if rows == 1 else self._ones[: rows * total].reshape(rows, total)
+
+    def _bind_index(self, logits_index: Optional[np.ndarray]) -> None:
+        if logits_index is not None and (logits_index is not self._index_bound or logits_index.flags.writeable):
+            self.binding.bind_cpu_input(LOGITS_INDEX, logits_index)
+            self._index_bound = logits_index
 
     def bind_outputs(self, rows: int, new: int, picked: int) -> list[np.ndarray]:
         """The arrays the next call writes its outputs into: logits [rows, picked, vocab], then [rows, new, width]
@@ -371,21 +441,23 @@ class SlotSequence(EngineSequence):
         self.batch, self.slot = batch, slot
 
     selects_logits = True  # _forward computes only the logits asked for (export/logit_positions.py)
+    lends = True  # and can return its binding's output buffer (EngineSequence.append_lent)
 
-    def _forward(self, token_ids: list[int], last: Optional[int] = None) -> np.ndarray:
+    def _forward(self, token_ids: list[int], last: Optional[int] = None, *, lend: bool = False) -> np.ndarray:
         if self.slot < 0:
             raise EngineError("this row was released")
         batch, past_len, new_len = self.batch, len(self.tokens), len(token_ids)
         # Padding repeats the last token; it is written past the row's end, where nothing reads it.
         pad = max(0, min(batch.engine.min_rows - new_len, batch.engine.max_seq_len - past_len - new_len))
         batch._reserve(past_len + new_len + pad)
-        ids, lengths = np.asarray([token_ids + token_ids[-1:] * pad]), np.array([past_len])
-        at = np.arange(new_len - min(last or new_len, new_len), new_len)[None, :]  # [1, m]: the logits wanted
-        if self.features is None:
-            return batch.engine.run(batch._binding(self.slot, 1, False), ids, lengths, logits_at=at)[0].copy()
-        logits, features = batch.engine.run_with_features(batch._binding(self.slot, 1, True), ids, lengths, logits_at=at)
-        self.features = features[0, :new_len].copy()
-        return logits[0].copy()
+        at = _last_positions(new_len, min(last or new_len, new_len))  # [1, m]: the logits wanted
+        engine, features = batch.engine, self.features is not None
+        kv = batch._binding(self.slot, 1, features)
+        kv.bind_row(token_ids + token_ids[-1:] * pad, past_len + new_len + pad, at if engine.selects_logits else None)
+        outputs = engine._run_bound(kv, 1, new_len + pad, at, None)
+        if features:
+            self.features = outputs[1][0, :new_len].copy()
+        return outputs[0][0] if lend else outputs[0][0].copy()  # lent: the binding's buffer, its next call's output
 
     def save_prefix(self, length: int) -> "KVPrefix":
         """A copy of this row's first `length` cached tokens and their keys and values, for rows that start with

@@ -49,8 +49,9 @@ class SpeculativeDecoder:
             # 2. Verify: one target call on [last context token, x_1..x_k] gives p for K+1 positions (the first
             #    call also runs the prompt before them).
             request.features_from = len(request.row)
-            target_logits = request.row.append(request.context[len(request.row) :] + proposal.tokens,
-                                               last=len(proposal.tokens) + 1)
+            #    The logits are lent (the engine's buffer): settle reads them before the next call.
+            target_logits = request.row.append_lent(request.context[len(request.row) :] + proposal.tokens,
+                                                    last=len(proposal.tokens) + 1)
             t2 = time.perf_counter()
 
             # 3. Accept each x_i with min(1, p/q); resample the first rejection from norm(max(0, p - q));
