@@ -217,14 +217,17 @@ def _share(runs: list[Measurement]) -> Optional[float]:
 
 def run_rows(rows: list[Row], prompts: list[tuple[str, list[int]]], *, max_new_tokens: int, warmup: list[list[int]],
              on_run: Callable[[str, str], None] = lambda label, prompt_id: None) -> dict[str, list[Measurement]]:
-    """Warm every row up, then run every prompt through every row. Returns measurements by row label."""
+    """Warm every row up, then run every prompt through every row. Returns measurements by row label, in prompt order.
+    Prompt i starts with row i mod len(rows) (the order rotates): a row that leaves the machine busy or its caches
+    cold (a peer whose threads still spin) weighs on each of the others alike, not always on the one after it."""
     for row in rows:
         for prompt_ids in warmup:
             row.run(prompt_ids, min(max_new_tokens, 32))
             on_run(row.label, "warm-up")
     results: dict[str, list[Measurement]] = {row.label: [] for row in rows}
-    for prompt_id, prompt_ids in prompts:
-        for row in rows:
+    for index, (prompt_id, prompt_ids) in enumerate(prompts):
+        first = index % len(rows) if rows else 0
+        for row in rows[first:] + rows[:first]:
             measurement = row.run(prompt_ids, max_new_tokens)
             measurement.prompt_id = prompt_id
             results[row.label].append(measurement)
