@@ -41,6 +41,7 @@ from specpipe.engines.base import (
     meta_token_ids,
     read_engine_meta,
 )
+from specpipe.engines.huge_pages import huge_pages_for_new_memory
 from specpipe.errors import EngineError
 from specpipe.export.features import FEATURE_OUTPUT
 from specpipe.export.logit_positions import LOGITS_INDEX
@@ -69,8 +70,9 @@ class SharedKVEngine(Engine):
         if not model_path.is_file():
             raise EngineError(f"{self.folder} has no {MODEL_FILE}")
         try:
-            self.session = ort.InferenceSession(str(model_path), session_options(threads, spinning=spinning),
-                                                providers=["CPUExecutionProvider"])
+            with huge_pages_for_new_memory() as self.huge_pages:  # the weights ONNX Runtime loads (huge_pages.py)
+                self.session = ort.InferenceSession(str(model_path), session_options(threads, spinning=spinning),
+                                                    providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
             raise EngineError(f"cannot load {model_path}: {str(exc).splitlines()[0]}") from None
         inputs = {i.name: i for i in self.session.get_inputs()}
