@@ -490,6 +490,14 @@ def test_an_eagle3_head_gets_eagle3_decoding(tmp_path):
         make_plan(_engine_cfg(tmp_path, draft=str(head), tp_size=8))
 
 
+def test_a_stream_interval_is_refused_where_tensorrt_llm_serves(tmp_path):
+    """TensorRT-LLM's repository streams as its executor does: --stream-interval would be ignored there, silently."""
+    for flow in ("llmapi", "engine"):
+        with pytest.raises(UsageError, match="--stream-interval 4 applies to specpipe's Triton model"):
+            make_plan(_cfg(tmp_path, trtllm_flow=flow, stream_interval=4))
+    assert make_plan(_cfg(tmp_path, stream_interval=1))
+
+
 def test_llmapi_flow_refuses_a_separate_draft_gpu(tmp_path):
     with pytest.raises(UsageError, match="--draft-placement separate needs --trtllm-flow engine"):
         make_plan(_cfg(tmp_path, tp_size=8, draft_placement="separate"))

@@ -173,6 +173,7 @@ def test_compare_alone_writes_the_merged_report_and_plot(tmp_path, capsys):
     (["repo", "--url", "127.0.0.1:1"], "not both"),
     ([], "give TARGET"),
     (["--max-tokens", "0", "repo"], "--max-tokens"),
+    (["--stream-interval", "0", "repo"], "--stream-interval"),
     (["--compare", "missing.json"], "--compare missing.json"),
     (["no-such-folder", "--warmup-requests", "0"], "no such Triton repository or engines folder"),
     (["--url", "127.0.0.1:1", "-c", "1", "--requests", "1"], "cannot reach a Triton server at 127.0.0.1:1"),
@@ -181,6 +182,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, args, m
     monkeypatch.chdir(tmp_path)
     code, out, err = loadtest(capsys, *args)
     assert code == 2 and message in one_line_error(err), err
+
+
+def test_a_stream_interval_for_a_repository_is_refused_before_any_load(tmp_path, capsys):
+    (tmp_path / "repo").mkdir()  # no manifest.json: a repository, whose config.pbtxt decides
+    code, _, err = loadtest(capsys, tmp_path / "repo", "--stream-interval", "2", "--warmup-requests", "0")
+    assert code == 2 and "--stream-interval applies to a built deployment" in one_line_error(err), err
 
 
 def test_a_label_clash_fails_before_any_load(tmp_path, capsys):
@@ -198,7 +205,7 @@ def test_real_server_at_one_and_two_users(tiny_self_build, tmp_path, capsys):
     level run as deployed and with K = 0 in each request, on the same server; users' first requests staggered."""
     before = set(tiny_self_build.parent.iterdir())
     code, out, err = loadtest(capsys, tiny_self_build, "-c", "1,2", "--requests", "4", "--warmup-requests", "1",
-                              "--max-tokens", "8", "--label", "tiny", "--against-target-only",
+                              "--max-tokens", "8", "--label", "tiny", "--against-target-only", "--stream-interval", "3",
                               "--json-out", tmp_path / "load.json", "--plot", tmp_path / "load.png")
     assert code == 0, err
     assert set(tiny_self_build.parent.iterdir()) == before  # the temporary repository is gone
@@ -208,7 +215,7 @@ def test_real_server_at_one_and_two_users(tiny_self_build, tmp_path, capsys):
     deployed, target_only = report["runs"]
     assert target_only["settings"]["num_draft_tokens"] == 0 and deployed["settings"]["num_draft_tokens"] is None
     for run in report["runs"]:
-        assert set(run) == RUN_KEYS and run["served"]["instances"] == 1
+        assert set(run) == RUN_KEYS and run["served"]["instances"] == 1 and run["served"]["stream_interval"] == 3
         assert run["settings"]["concurrency"] == [1, 2] and run["machine"]["summary"]
         for level, users in zip(run["levels"], (1, 2)):
             assert set(level) == LEVEL_KEYS and level["concurrency"] == users

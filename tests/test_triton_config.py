@@ -96,7 +96,7 @@ def test_served_config_round_trips_through_text_format(tmp_path):
     assert [(g.count, mc.ModelInstanceGroup.Kind.Name(g.kind)) for g in parsed.instance_group] == [(3, "KIND_CPU")]
     assert {k: v.string_value for k, v in parsed.parameters.items()} == {
         "engine_dir": "engine", "engine_threads": "1", "exclude_input_in_output": "true", "max_batch_size": "0",
-        "max_queue": "-1", "protocol": "tensorrtllm_backend"
+        "max_queue": "-1", "stream_interval": "1", "protocol": "tensorrtllm_backend"
     }
     assert ModelParameters.from_triton(json.loads(_as_json(parsed))) == ModelParameters(engine_threads=1)
 
@@ -404,3 +404,49 @@ def test_an_llmapi_client_gets_cumulative_streamed_text_without_a_batch_dimensio
     assert final["token_ids"].ndim == 1 and final["stats_json"].shape == (1,)
     whole = list(ServedModel(deployment).replies(_request(max_tokens=12)))[-1].tensors["text_output"][0].decode()
     assert texts[-1] == whole  # the same generation as a tensorrt_llm_bls client's
+
+
+@pytest.mark.parametrize("protocol", ["tensorrtllm_backend", "llmapi"])
+@pytest.mark.parametrize("interval", [2, 3, 5])
+def test_a_stream_interval_sends_the_first_token_at_once_then_gathers_and_loses_nothing(tiny_build, interval, protocol):
+    """Each response after the first holds at least `interval` tokens and was sent as soon as it had them, the final
+    one what is left (fewer); together the tokens and text of one response a step, in either protocol."""
+    from specpipe.deployment import load_deployment
+    from specpipe.triton.serving import ServedModel
+
+    deployment = load_deployment(tiny_build, threads=1)
+    llmapi = protocol == "llmapi"
+    request = (lambda: _llmapi_request(streaming=True, sampling_param_max_tokens=np.int32(20))) if llmapi else (
+        lambda: _request(max_tokens=20, stream=True))
+    ids = lambda reply: reply.tensors["token_ids"].reshape(-1).tolist()  # noqa: E731
+    text = lambda reply: reply.tensors["text_output"].reshape(-1)[0].decode()  # noqa: E731
+    each = list(ServedModel(deployment, batched=not llmapi).replies(request()))
+    gathered = list(ServedModel(deployment, batched=not llmapi, stream_interval=interval).replies(request()))
+    steps = [ids(r) for r in each[:-1]]
+    assert sum(map(len, steps)) == 20 and not ids(each[-1])
+    assert ids(gathered[0]) == steps[0]  # the first step goes out at once
+    sizes = [len(ids(r)) for r in gathered]
+    assert all(size >= interval for size in sizes[1:-1]) and sizes[-1] < interval and len(gathered) < len(each)
+    # each response went out at the first step that brought its tokens to `interval`
+    step_ends = np.cumsum([len(s) for s in steps]).tolist()
+    sent_ends = np.cumsum(sizes[:-1]).tolist()
+    assert set(sent_ends) <= set(step_ends)
+    for before, end in zip(sent_ends, sent_ends[1:]):
+        assert end - before >= interval and all(e - before < interval for e in step_ends if before < e < end)
+    assert sum((ids(r) for r in gathered), []) == sum((ids(r) for r in each), [])
+    if llmapi:  # the text so far in every response
+        assert text(gathered[-1]) == text(each[-1]) and all(text(b).startswith(text(a)) for a, b in zip(gathered, gathered[1:]))
+    else:
+        assert "".join(map(text, gathered)) == "".join(map(text, each))
+
+
+def test_a_stream_interval_below_one_is_refused(tiny_build):
+    from pydantic import ValidationError
+
+    from specpipe.deployment import load_deployment
+    from specpipe.triton.serving import ServedModel
+
+    with pytest.raises(ValidationError, match="stream_interval"):
+        ModelParameters(stream_interval=0)
+    with pytest.raises(UsageError, match="stream_interval must be >= 1, got 0"):
+        ServedModel(load_deployment(tiny_build, threads=1), stream_interval=0)

@@ -57,6 +57,7 @@ def repo(builds, tmp_path_factory) -> Path:
     write_repository(builds["ensemble"], written, model_name="ensemble", instance_count=2)
     write_repository(builds["self_draft"], written, model_name="self_draft", instance_count=1)
     write_repository(builds["target_alone"], written, model_name="target_alone", instance_count=1)
+    write_repository(builds["target_alone"], written, model_name="target_alone_every_4", instance_count=1, stream_interval=4)
     moved = tmp_path_factory.mktemp("moved") / "elsewhere"
     shutil.move(str(written), str(moved))
     assert not written.exists()
@@ -124,6 +125,21 @@ def test_a_model_without_a_draft_answers_as_the_target_alone(server, local, stre
         "".join(generation)
         alone = local("ensemble", prompt, CONFIGS["target_only"])  # the same target engine, decoding alone
         assert generation.result["token_ids"] == alone.token_ids and generation.result["drafted"] == 0
+
+
+def test_a_stream_interval_gathers_tokens_into_fewer_responses_and_changes_no_token(server, local):
+    """stream_interval 4 on a target alone (one token a step): the first token in a response of its own, then
+    four a response, the rest on the final one; the same tokens and text as one response a token."""
+    cfg = CONFIGS["target_only"]
+    for prompt in PROMPTS[:2]:
+        expected = local("target_alone", prompt, cfg)
+        generation = remote_generate(server.url, prompt, cfg, stream=True, model_name="target_alone_every_4")
+        deltas = list(generation)
+        result = generation.result
+        assert result["token_ids"] == expected.token_ids and "".join(deltas) == expected.text == result["text"]
+        n = len(expected.token_ids)
+        assert n > 5
+        assert result["chunk_tokens"] == [1] + [4] * ((n - 1) // 4) + ([(n - 1) % 4] if (n - 1) % 4 else [])
 
 
 def test_chat_template_is_applied_server_side(server, local):

@@ -89,6 +89,10 @@ class LoadConfig(Strict):
         False, description="ask for TensorRT-LLM's perf-metric outputs in every response (return_perf_metrics: 10 "
                            "more tensors a streamed token for the server to build and send and the clients to read; "
                            "off in TensorRT-LLM by default, and the loadtest reads none of them)")
+    stream_interval: Optional[int] = Field(
+        None, ge=1, description="tokens a streamed response gathers (the Triton model's stream_interval) in the "
+                                "repository written for TARGET engines/NAME; default: the build's default (1); a "
+                                "repository's own config.pbtxt sets it there")
     engine_alone: bool = Field(
         True, description="after each level, time the served engine alone in this process (TARGET only), on the "
                           "level's first prompts: its batched decode rate, and with burst arrivals the burst's "

@@ -168,7 +168,7 @@ def run_loadtest(cfg: LoadConfig, *, target: Optional[Path] = None, url: Optiona
             if server_pid is None:
                 log(f"no tritonserver serving {url} on this machine: its memory is not measured")
         else:
-            repo = stack.enter_context(_repository(Path(target), model_name))
+            repo = stack.enter_context(_repository(Path(target), model_name, stream_interval=cfg.stream_interval))
             served = _served_model(repo, model_name)
             server = stack.enter_context(_started_server(repo, log))
             url, server_pid, where = server.url, server.process.pid, str(target)
@@ -206,9 +206,9 @@ def run_labels(cfg: LoadConfig, where: str | Path) -> list[str]:
 
 
 @contextmanager
-def _repository(target: Path, model_name: str) -> Iterator[Path]:
+def _repository(target: Path, model_name: str, *, stream_interval: Optional[int] = None) -> Iterator[Path]:
     """`target` itself when it is a Triton repository; for engines/NAME, a temporary one beside it (hard links
-    need the same filesystem), removed afterwards."""
+    need the same filesystem), removed afterwards, streaming `stream_interval` tokens a response when given."""
     import shutil
 
     from specpipe.triton.repository import write_repository
@@ -216,11 +216,14 @@ def _repository(target: Path, model_name: str) -> Iterator[Path]:
     if not target.is_dir():
         raise UsageError(f"no such Triton repository or engines folder: {target}")
     if not (target / "manifest.json").is_file():
+        if stream_interval is not None:
+            raise UsageError(f"--stream-interval applies to a built deployment (engines/NAME); {target} is a repository: "
+                             "its config.pbtxt's stream_interval parameter decides")
         yield target
         return
     scratch = Path(tempfile.mkdtemp(prefix=f".loadtest-{target.name}-", dir=target.resolve().parent))
     try:
-        write_repository(target, scratch / "repo", model_name=model_name)
+        write_repository(target, scratch / "repo", model_name=model_name, stream_interval=stream_interval or 1)
         yield scratch / "repo"
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -252,7 +255,8 @@ def _served_model(repo: Path, model_name: str) -> dict:
     raw = {key: value.string_value for key, value in config.parameters.items()}
     parameters = ModelParameters(**{key: value for key, value in raw.items() if key in ModelParameters.model_fields})
     return {"instances": instances, "requests_batched": _requests_batched(model_dir, parameters),
-            "threads_per_instance": parameters.threads_per_instance(instances, os.cpu_count())}
+            "threads_per_instance": parameters.threads_per_instance(instances, os.cpu_count()),
+            "stream_interval": parameters.stream_interval}
 
 
 def _requests_batched(model_dir: Path, parameters) -> int:

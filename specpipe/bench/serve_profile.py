@@ -55,7 +55,8 @@ def steady_window(level, level_start: float) -> tuple[float, float]:
     return max(first.values()), min(last.values())
 
 
-def profile_level(target: Path, users: int, per_user: int, max_tokens: int, out_dir: Path) -> dict:
+def profile_level(target: Path, users: int, per_user: int, max_tokens: int, out_dir: Path,
+                  stream_interval: Optional[int] = None) -> dict:
     import psutil
 
     from specpipe.bench.config import LoadConfig
@@ -78,7 +79,7 @@ def profile_level(target: Path, users: int, per_user: int, max_tokens: int, out_
     load_before = os.getloadavg()
     try:
         with ExitStack() as stack:
-            repo = stack.enter_context(_repository(Path(target), DEFAULT_MODEL))
+            repo = stack.enter_context(_repository(Path(target), DEFAULT_MODEL, stream_interval=stream_interval))
             alone = EngineAlone.of_repository(repo, DEFAULT_MODEL)  # before the server: its load is not in the level
             server = stack.enter_context(_started_server(repo, lambda line: None))
             processes = {"tritonserver": psutil.Process(server.process.pid)}
@@ -135,13 +136,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--per-user", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--stream-interval", type=int, default=None,
+                        help="tokens a streamed response gathers, in the repository written for engines/NAME")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args(argv)
     import tempfile
 
     try:
         with tempfile.TemporaryDirectory(prefix="specpipe-profile-") as scratch:
-            result = profile_level(args.target, args.users, args.per_user, args.max_tokens, Path(scratch))
+            result = profile_level(args.target, args.users, args.per_user, args.max_tokens, Path(scratch),
+                                   stream_interval=args.stream_interval)
     except SpecpipeError as err:
         print(f"error: {err}")
         return 2

@@ -41,6 +41,10 @@ class BuildConfig(Strict):
         "draft-vocab.json), else the whole vocabulary",
     )
     triton_instances: int = Field(1, ge=1, description="Triton model instances: requests served in parallel")
+    stream_interval: int = Field(
+        1, ge=1, description="tokens a streamed response gathers before it is sent (the first goes at once): "
+        "fewer responses cost tritonserver and the clients less CPU a token under many streams, at a coarser "
+        "stream (TensorRT-LLM's and vLLM's stream_interval; docs/batching.md)")
     force: bool = False
     allow_pickle: bool = False
     backend: "Backend" = Field(

@@ -315,6 +315,10 @@ def _check_options(cfg: BuildConfig, target: ModelShape, draft: Optional[ModelSh
     problems = []
     if draft is None and _flow(cfg) != "llmapi":
         raise UsageError("--draft ngram on a GPU needs --backend trtllm and the LLM-API flow (NGramDecodingConfig)")
+    if cfg.backend.kind == "trtllm" and cfg.stream_interval != 1:
+        # TensorRT-LLM's own Triton models stream as its executor does; specpipe's Python model is not among them
+        problems.append(f"--stream-interval {cfg.stream_interval} applies to specpipe's Triton model (--backend onnxruntime"
+                        " or tensorrt), not to TensorRT-LLM's repository")
     if cfg.backend.kind == "tensorrt":
         for flag, mode in (("--quant", cfg.quant.mode), ("--draft-quant", cfg.draft_quant.mode)):
             if mode in ("int8-wo", "int4-wo"):

@@ -105,6 +105,8 @@ def _backend_options(command):
 @click.option("--no-repo", is_flag=True, help="Do not write the Triton model repository.")
 @click.option("--triton-instances", type=int, default=field_default(BuildConfig, "triton_instances"), show_default=True,
               help=field_help(BuildConfig, "triton_instances"))
+@click.option("--stream-interval", type=int, default=field_default(BuildConfig, "stream_interval"), show_default=True,
+              metavar="TOKENS", help=field_help(BuildConfig, "stream_interval"))
 @click.option("--max-draft-len", type=int, default=field_default(BuildConfig, "max_draft_len"), show_default=True,
               help=field_help(BuildConfig, "max_draft_len"))
 @click.option("--draft-vocab", type=int, default=None, metavar="N", help=field_help(BuildConfig, "draft_vocab"))

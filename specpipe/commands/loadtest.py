@@ -50,6 +50,7 @@ def _option(flag: str, name: str, **kwargs):
 @_option("--against-target-only/--as-deployed-only", "against_target_only")
 @_option("--engine-alone/--no-engine-alone", "engine_alone")
 @_option("--perf-metrics/--no-perf-metrics", "perf_metrics")
+@_option("--stream-interval", "stream_interval", type=int)
 @click.option("--compare", "compare", multiple=True, type=click.Path(path_type=Path),
               help="A loadtest JSON file whose runs join the table and plot (repeatable); alone, nothing is run.")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help="Write the report (every run) as JSON.")
@@ -57,7 +58,7 @@ def _option(flag: str, name: str, **kwargs):
               help="Write a PNG of tokens/s and TTFT p95 vs concurrency, one line per run.")
 def loadtest(target: Optional[Path], url, model_name, concurrency, requests, requests_per_user, warmup_requests, max_tokens, prompt_set,
              prompts, num_draft_tokens, ignore_eos, request_timeout_s, label, arrivals, against_target_only, engine_alone,
-             perf_metrics, compare, json_out, plot) -> None:
+             perf_metrics, stream_interval, compare, json_out, plot) -> None:
     """Drive a real Triton server with closed-loop streaming users at each concurrency: aggregate and per-request
     tokens/s, TTFT and inter-token latency p50/p95, errors, server memory.
 
@@ -84,7 +85,7 @@ def loadtest(target: Optional[Path], url, model_name, concurrency, requests, req
                       num_draft_tokens=num_draft_tokens, ignore_eos=ignore_eos,
                       request_timeout_s=request_timeout_s, label=label, arrivals=arrivals,
                       against_target_only=against_target_only, engine_alone=engine_alone,
-                      perf_metrics=perf_metrics)
+                      perf_metrics=perf_metrics, stream_interval=stream_interval)
     runs = read_reports(list(compare))
     running = target is not None or url is not None
     make_report(runs + [{"label": label} for label in run_labels(cfg, target or url)] if running else runs)  # a clash fails before the run

@@ -53,10 +53,14 @@ class Reply:
 class ServedModel:
     """Wraps a loaded `specpipe.deployment.Deployment`; `replies()` answers one request."""
 
-    def __init__(self, deployment, *, exclude_input_in_output: bool = True, batched: bool = True):
+    def __init__(self, deployment, *, exclude_input_in_output: bool = True, batched: bool = True,
+                 stream_interval: int = 1):
         from specpipe.speculative.batching import BatchScheduler
 
+        if stream_interval < 1:
+            raise UsageError(f"stream_interval must be >= 1, got {stream_interval}")
         self.deployment = deployment
+        self.stream_interval = stream_interval
         # Requests decode together in one scheduler: the Triton model answers each on a thread of its own.
         self.batching = isinstance(deployment.generator.decoder, BatchScheduler)
         self.exclude_input_in_output = exclude_input_in_output
@@ -70,13 +74,21 @@ class ServedModel:
         clock = _Clock(arrival_ns)
 
         if request.stream:
-            so_far = ""
+            # A response carries the tokens since the last one once they reach stream_interval; the first goes at
+            # once (time to first token), what is left rides on the final response.
+            so_far, text, token_ids, sent = "", "", [], False
             for chunk in generation:
                 clock.tick()
                 so_far += chunk.text
-                text = so_far if request.llmapi else chunk.text
-                yield Reply(self._shaped(self._tensors(text, chunk.token_ids, request, generation, clock)), final=False)
-            yield Reply(self._shaped(self._final(generation, so_far if request.llmapi else "", [], request, clock)), final=True)
+                text += chunk.text
+                token_ids += chunk.token_ids
+                if sent and len(token_ids) < self.stream_interval:
+                    continue
+                reply = self._tensors(so_far if request.llmapi else text, token_ids, request, generation, clock)
+                yield Reply(self._shaped(reply), final=False)
+                text, token_ids, sent = "", [], True
+            final = self._final(generation, so_far if request.llmapi else text, token_ids, request, clock)
+            yield Reply(self._shaped(final), final=True)
         else:
             for _ in generation:
                 clock.tick()

@@ -77,7 +77,8 @@ class TritonPythonModel:
         except Exception as err:  # one line in Triton's model table and in `specpipe serve`'s error
             raise pb_utils.TritonModelException(f"cannot load {engine_dir}: {type(err).__name__}: {err}") from None
         self.model = ServedModel(
-            deployment, exclude_input_in_output=params.exclude_input_in_output, batched=params.protocol != "llmapi"
+            deployment, exclude_input_in_output=params.exclude_input_in_output, batched=params.protocol != "llmapi",
+            stream_interval=params.stream_interval,
         )
         self.profile = ServedProfile.from_env(deployment.generator.decoder)  # None unless SPECPIPE_PROFILE_DIR
         self.logger = pb_utils.Logger
