@@ -41,7 +41,7 @@ def head_build(tiny_target, tiny_head, tmp_path_factory):
 
     engines = tmp_path_factory.mktemp("headbuild")
     return build(BuildConfig(target=str(tiny_target), draft=str(tiny_head), name="withhead", engines_dir=engines,
-                             repo_dir=engines / "repo"))
+                             repo_dir=engines / "repo", stream_interval=2))
 
 
 def test_build_writes_the_head_and_its_manifest_entry(head_build, tiny_head):
@@ -62,6 +62,11 @@ def test_build_writes_the_head_and_its_manifest_entry(head_build, tiny_head):
     # the Triton repository carries the head with the deployment (the served model opens it with load_deployment)
     served = next((head_build.parent / "repo").rglob("manifest.json")).parent
     assert (served / draft.path / "model.safetensors").is_file()
+    # and the build's serving settings: --stream-interval lands in the model's parameters
+    from specpipe.triton.model_config import read_config
+
+    parameters = read_config(head_build.parent / "repo" / "ensemble").parameters
+    assert parameters["stream_interval"].string_value == "2"
 
 
 def test_the_deployment_drafts_with_the_head(head_build):

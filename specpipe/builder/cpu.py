@@ -151,8 +151,8 @@ def build_cpu(cfg: BuildConfig, progress: Optional[Progress] = None) -> Path:
         ))  # fmt: skip
     say(f"wrote {final} in {time.perf_counter() - started:.1f} s")
     if cfg.repo_dir is not None:
-        model_dir = write_repository(final, Path(cfg.repo_dir), instance_count=cfg.triton_instances, stream_interval=cfg.stream_interval,
-                                     model_name=DEFAULT_MODEL_NAME, force=True)
+        model_dir = write_repository(final, Path(cfg.repo_dir), instance_count=cfg.triton_instances,
+                                     stream_interval=cfg.stream_interval, model_name=DEFAULT_MODEL_NAME, force=True)
         say(f"wrote the Triton model repository {model_dir}")
     return final
 

@@ -199,7 +199,8 @@ def _repository(step, plan, cfg, work):
     if plan.backend == "tensorrt":  # specpipe's own repository, over the deployment just built
         from specpipe.triton.repository import DEFAULT_MODEL_NAME, write_repository
 
-        write_repository(work, Path(plan.repo_dir), instance_count=cfg.triton_instances, stream_interval=cfg.stream_interval, model_name=DEFAULT_MODEL_NAME, force=True)
+        write_repository(work, Path(plan.repo_dir), instance_count=cfg.triton_instances,
+                         stream_interval=cfg.stream_interval, model_name=DEFAULT_MODEL_NAME, force=True)
     else:
         write_plan_repository(plan, cfg)
 
