@@ -52,6 +52,18 @@ def test_none_is_chosen_when_every_candidate_is_slower():
     assert "best: ngram at 0.95x" in reason and "target alone" in reason
 
 
+def test_when_none_is_deployed_the_reason_says_the_tokens_a_call_and_what_a_call_costs():
+    # 1.70 tokens a target call at 1.04x: a call costs 1.70 / 1.04 = 1.63 steps of the target alone (the session-36
+    # demo head against an int8-wo target on an Emerald Rapids), so 1.05x needs 1.05 x 1.63 = 1.72 tokens a call.
+    head = measured("head", "eagle3", 1.04).model_copy(update={"mean_accepted_len": 1.70, "acceptance_rate": 0.44})
+    chosen, reason = choose([NONE, head, measured("ngram", "ngram", 0.93)], min_speedup=1.05)
+    assert chosen == "none"
+    assert "best: head at 1.04x, 1.70 tokens a target call" in reason
+    assert "costing 1.63 steps of the target alone" in reason and "1.05x needs 1.72 tokens a call" in reason
+    # no tokens a call recorded: the reason says only the speedup
+    assert "tokens a call" not in choose([NONE, measured("d", "model", 0.9)], 1.05)[1]
+
+
 def test_a_draft_within_the_margin_is_not_deployed():
     assert choose([NONE, measured("d", "model", 1.04)], min_speedup=1.05)[0] == "none"
     assert choose([NONE, measured("d", "model", 1.05)], min_speedup=1.05)[0] == "d"
