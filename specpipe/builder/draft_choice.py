@@ -36,10 +36,11 @@ def choose(measurements: Sequence[CandidateMeasurement], min_speedup: float) -> 
 
 
 def _where_the_time_went(best: CandidateMeasurement, min_speedup: float) -> str:
-    """", L tokens a target call, each call costing C steps of the target alone: the line needs N" (module docstring),
-    or "" when the measurement has no tokens a call."""
+    """The reason's account of the best candidate's calls (module docstring): its tokens a target call, what one call
+    costs in steps of the target alone, and the tokens a call `min_speedup` needs at that cost; "" when the
+    measurement has no tokens a call. `best.speedup` is set (`choose` keeps only measured candidates)."""
     tokens_a_call = best.mean_accepted_len
-    if not tokens_a_call or not best.speedup or best.speedup <= 0:
+    if not tokens_a_call or best.speedup <= 0:
         return ""
     call_cost = tokens_a_call / best.speedup
     return (f", {tokens_a_call:.2f} tokens a target call, each call with its drafting costing {call_cost:.2f} steps "
