@@ -15,10 +15,12 @@ import pytest
 from specpipe.builder import build
 from specpipe.builder.config import BuildConfig, DraftChoiceConfig
 from specpipe.builder.draft_choice import choose
+from specpipe.builder.measure import MIN_CALLS, in_decoding_curve
 from specpipe.contract.costs import StepCosts
 from specpipe.contract.generation import GenerationConfig
 from specpipe.contract.manifest import CandidateMeasurement, sha256_file
 from specpipe.deployment import load_deployment
+from specpipe.engines.timing import curve_of
 from specpipe.speculative.adaptive import best_draft_length, expected_speedup, predicted_speedup
 from specpipe.speculative.drafters import ModelDrafter
 from specpipe.testing.greedy import assert_greedy_equivalent
@@ -114,6 +116,34 @@ def test_every_candidate_and_the_target_alone_are_measured_and_recorded(candidat
         assert records[draft]["build_timings_s"]
     assert records[str(tiny_draft)]["weights_sha256"] and records["ngram"]["weights_sha256"] is None
     assert choice["sample"]["prompts_per_set"] == 1 and choice["sample"]["new_tokens"] == 16
+
+
+def test_each_candidates_verify_curve_is_the_one_its_decoding_paid(candidates_build):
+    folder, manifest = candidates_build
+    for record in manifest["draft_choice"]["candidates"]:
+        if record["kind"] == "none":
+            assert record.get("verify_calls") is None
+            continue
+        calls, timed = record["verify_calls"], record["verify_timed"]
+        one_calls, one_ms = calls["1"]
+        assert one_calls >= MIN_CALLS  # 2 prompts x 16 tokens of the target alone
+        relative = {1 + k: (calls[str(1 + k)][1] / one_ms if calls.get(str(1 + k), [0])[0] >= MIN_CALLS else timed[k - 1])
+                    for k in range(1, len(timed) + 1)}
+        assert record["step_costs"]["verify"] == pytest.approx(list(curve_of(relative, 1.0, len(timed))), abs=2e-4)
+    chosen = manifest["draft_choice"]["chosen"]
+    if chosen != "none":  # the deployment's adaptive K reads the chosen candidate's curve
+        chosen_record = next(m for m in manifest["draft_choice"]["candidates"] if m["draft"] == chosen)
+        assert manifest["step_costs"]["verify"] == chosen_record["step_costs"]["verify"]
+
+
+def test_the_in_decoding_curve_takes_medians_where_there_are_calls_and_the_timed_point_elsewhere():
+    one = [0.010] * 9 + [1.0]  # one slow outlier: a median, not a mean
+    calls = {2: [0.012] * 10, 3: [0.013] * 3, 4: [0.011] * 10}  # 3 calls of 3 tokens: too few
+    timed = (1.05, 1.30, 1.35, 1.50)
+    # k=3's 1.1 is floored to k=2's timed 1.3; k=4 made no calls
+    assert in_decoding_curve(one, calls, timed, min_calls=8) == pytest.approx((1.2, 1.3, 1.3, 1.5))
+    assert in_decoding_curve(one[:5], calls, timed, min_calls=8) == timed  # too few steps of the target alone
+    assert in_decoding_curve(one, {}, timed, min_calls=8) == timed
 
 
 def test_the_deployed_draft_is_the_one_choose_returns(candidates_build):

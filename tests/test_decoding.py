@@ -42,6 +42,22 @@ def test_greedy_draft_equal_to_target_accepts_everything(self_pair, k):
         assert base.stats.drafted == 0 and base.stats.mean_accepted_len == 1.0
 
 
+def test_every_verify_call_after_the_prompts_is_timed_by_the_tokens_it_added(pair):
+    # SpecStats.call_s feeds the build's verify curve: the prompt's call is not a step's, each later call adds the
+    # last context token and that step's drafts
+    spec = greedy(pair, PROMPTS[0], num_draft_tokens=3).stats
+    base = greedy(pair, PROMPTS[0], speculative=False).stats
+    for stats in (spec, base):
+        assert sum(len(seconds) for seconds in stats.call_s.values()) == stats.steps - 1
+        assert all(s > 0 for seconds in stats.call_s.values() for s in seconds)
+    assert set(base.call_s) == {1}
+    assert set(spec.call_s) <= {1, 2, 3, 4} and 4 in spec.call_s
+    first_drafts = 3  # the first step drafted 3 on top of the prompt's call
+    assert sum((n - 1) * len(seconds) for n, seconds in spec.call_s.items()) == spec.drafted - first_drafts
+    summary = spec.as_dict()["target_calls"]
+    assert {int(n): calls for n, (calls, _) in summary.items()} == {n: len(s) for n, s in spec.call_s.items()}
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_unrelated_draft_is_still_identical_to_target_only(pair, k):
     rates = []

@@ -35,6 +35,7 @@ from typing import Callable, Optional, Protocol
 from specpipe.contract.decoding import DecodingPolicy
 from specpipe.contract.generation import GenerationConfig
 from specpipe.speculative.generator import SpecGenerator
+from specpipe.speculative.stats import calls_summary
 
 BASELINE = "target-only"
 PADDED_BASELINE = "target-only, padded"  # the target alone with its 1-token steps padded as the speculative rows'
@@ -57,6 +58,7 @@ class Measurement:
     accepted_at: Optional[list[int]] = None  # ... and that accepted it
     copied_drafted: int = 0  # drafted tokens prompt lookup copied where the head was unsure (SpecStats.copied_*)
     copied_accepted: int = 0
+    call_s: dict[int, list[float]] = field(default_factory=dict, repr=False)  # SpecStats.call_s: decoding's target calls
 
     @property
     def tokens_per_s(self) -> float:
@@ -98,6 +100,7 @@ class SpecRow:
             draft_ms=stats.draft_s * 1e3, target_ms=stats.target_s * 1e3, token_ids=list(result.token_ids),
             drafted_at=list(stats.drafted_at), accepted_at=list(stats.accepted_at),
             copied_drafted=stats.copied_drafted, copied_accepted=stats.copied_accepted,
+            call_s={n: list(seconds) for n, seconds in stats.call_s.items()},
         )
 
 
@@ -238,6 +241,7 @@ def run_rows(rows: list[Row], prompts: list[tuple[str, list[int]]], *, max_new_t
 def measurement_dict(m: Measurement) -> dict:
     out = asdict(m)
     out.pop("token_ids")
+    out["target_calls"] = calls_summary(out.pop("call_s"))
     out["tokens_per_s"] = m.tokens_per_s
     out["ms_per_token"] = m.ms_per_token
     return out

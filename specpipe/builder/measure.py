@@ -14,10 +14,17 @@ Candidate measurement: greedy, adaptive K with the step costs measured for each 
 first few packaged bench prompts (chat template applied). The target alone runs in the same loop, each prompt
 through every row back to back (bench/harness.py `run_rows`), so load on a shared machine slows every row
 alike and the ratios hold. speedup = the candidate's median tokens/s / the target alone's, as in `bench`.
+
+The verify curve a candidate is recorded with (its step_costs.verify: what the deployment's adaptive K and the
+prediction read) is then the one its decoding paid on the sample (`in_decoding_curve`): each verify call's time
+over the target alone's 1-token steps in the same run, beside the draft's own calls. Timed alone on a 64-token
+cache, one engine's 2-token call read 1.04 to 1.18 of a step across readings on a Zen 4, and 1.15 in decoding.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +44,7 @@ from specpipe.engines.timing import (VERIFY_CURVE_TOKENS, batch_step_ms, batch_s
                                      step_ms, target_step)
 from specpipe.speculative.adaptive import predicted_speedup
 from specpipe.speculative.drafters import Drafter
+from specpipe.speculative.stats import calls_summary
 from specpipe.speculative.generator import SpecGenerator
 
 def measure_step_costs(target, draft=None, *, head=None, verify_tokens: int = 8) -> StepCosts:
@@ -206,14 +214,60 @@ def measure_candidates(target: Engine, candidates: Sequence[Candidate], tokenize
     # beside a padded target 0.80-0.89x as fast).
     padded_share = summarize(PADDED_BASELINE, "target-only", None, results[PADDED_BASELINE],
                              results[NONE])["speedup"] if padded else 1.0
+    # The candidates' calls are in steps of the target as they run it: the padded baseline's 1-token steps, if any.
+    one_token = [s for m in results[PADDED_BASELINE if padded else NONE] for s in m.call_s.get(1, [])]
     records = []
     for row in rows:
         if row.label == PADDED_BASELINE:
             continue
         reference = results.get(PADDED_BASELINE) if row.label != NONE else None
         summary = summarize(row.label, row.kind, None, results[row.label], results[NONE], reference)
-        records.append(_record(by_spec[row.label], summary, max_draft_len, padded_share))
+        candidate, calls = by_spec[row.label], None
+        if row.label != NONE:
+            calls = _pooled_calls(results[row.label])
+            curve = in_decoding_curve(one_token, calls, candidate.costs.verify)
+            if curve != candidate.costs.verify:
+                progress(f"{row.label}: verify calls in decoding {_curve_text(curve)} of a step, timed alone "
+                         f"{_curve_text(candidate.costs.verify)}: recorded as decoding paid them")
+            candidate = dataclasses.replace(candidate, costs=dataclasses.replace(candidate.costs, verify=curve))
+        record = _record(candidate, summary, max_draft_len, padded_share)
+        if calls is not None:
+            record.verify_timed = by_spec[row.label].costs.verify
+            own = {n: seconds for n, seconds in calls.items() if n > 1}  # "1": the target alone's, the unit
+            record.verify_calls = {**calls_summary({1: one_token}), **calls_summary(own)}
+        records.append(record)
     return records
+
+
+# Calls of one size a median needs before it replaces the curve's timed point.
+MIN_CALLS = 8
+
+
+def in_decoding_curve(one_token_s: Sequence[float], calls_s: dict[int, list[float]], timed: Sequence[float], *,
+                      min_calls: int = MIN_CALLS) -> tuple[float, ...]:
+    """The verify curve (StepCosts.verify) as decoding paid it: for each k with at least `min_calls` calls on 1 + k
+    tokens (`calls_s`, seconds, SpecStats.call_s), their median over the median of the target alone's 1-token steps
+    of the same run (`one_token_s`); the `timed` point where decoding made fewer (adaptive K seldom drafts the
+    longest blocks). Floored as every curve is (engines/timing.py `curve_of`). `timed` unchanged when the target alone
+    made fewer than `min_calls` 1-token steps."""
+    if len(one_token_s) < min_calls or not timed:
+        return tuple(timed)
+    one = statistics.median(one_token_s)
+    relative = {1 + k: (statistics.median(calls_s[1 + k]) / one if len(calls_s.get(1 + k, ())) >= min_calls
+                        else timed[k - 1]) for k in range(1, len(timed) + 1)}
+    return curve_of(relative, 1.0, len(timed))
+
+
+def _pooled_calls(runs) -> dict[int, list[float]]:
+    calls: dict[int, list[float]] = {}
+    for m in runs:
+        for n, seconds in m.call_s.items():
+            calls.setdefault(n, []).extend(seconds)
+    return calls
+
+
+def _curve_text(curve: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{c:.3f}" for c in curve) + "]"
 
 
 def _row(candidate: Candidate, target: Engine, tokenizer, eos_token_ids, max_draft_len: int,

@@ -50,9 +50,11 @@ class SpeculativeDecoder:
             #    call also runs the prompt before them).
             request.features_from = len(request.row)
             #    The logits are lent (the engine's buffer): settle reads them before the next call.
-            target_logits = request.row.append_lent(request.context[len(request.row) :] + proposal.tokens,
-                                                    last=len(proposal.tokens) + 1)
+            call = request.context[len(request.row) :] + proposal.tokens
+            target_logits = request.row.append_lent(call, last=len(proposal.tokens) + 1)
             t2 = time.perf_counter()
+            if request.features_from:  # not the prompt's call: a decoding step's verify call, timed by its size
+                stats.time_call(len(call), t2 - t1)
 
             # 3. Accept each x_i with min(1, p/q); resample the first rejection from norm(max(0, p - q));
             #    if all are accepted, add a bonus token from the target (settle.py).

@@ -8,6 +8,8 @@
   a position counts as drafted whenever the draft proposed at least i+1 tokens that step.
 - mean_accepted_len = tokens emitted per target verification step, **including** the one recovered or
   bonus token (vLLM's convention): target-only decoding has 1.0, a perfect K-token draft has K+1.
+- call_s: seconds of each target call after the request's first (the prompt's), by the tokens it added (1 + drafts):
+  the verify curve as decoding pays it (builder/measure.py `in_decoding_curve`).
 - ttft_ms: request start to the first emitted token; tokens_per_s: generated tokens / total wall time
   (prefill included); decode_tokens_per_s excludes the time to first token.
 """
@@ -30,6 +32,10 @@ class SpecStats:
     copied_steps: int = 0
     copied_drafted: int = 0
     copied_accepted: int = 0
+    call_s: dict[int, list[float]] = field(default_factory=dict)
+
+    def time_call(self, tokens: int, seconds: float) -> None:
+        self.call_s.setdefault(tokens, []).append(seconds)
 
     def record(self, num_drafted: int, accepted_len: int, num_emitted: int, copied: bool = False) -> None:
         self.steps += 1
@@ -72,4 +78,12 @@ class SpecStats:
             "copied_accepted": self.copied_accepted,
             "draft_ms": self.draft_s * 1e3,
             "target_ms": self.target_s * 1e3,
+            "target_calls": calls_summary(self.call_s),
         }
+
+
+def calls_summary(call_s: dict[int, list[float]]) -> dict[str, list[float]]:
+    """{tokens a call added: [calls, median ms]}, keys as strings (JSON's)."""
+    from statistics import median
+
+    return {str(n): [len(s), round(median(s) * 1e3, 4)] for n, s in sorted(call_s.items()) if s}
