@@ -15,7 +15,7 @@ import pytest
 from specpipe.builder import build
 from specpipe.builder.config import BuildConfig, DraftChoiceConfig
 from specpipe.builder.draft_choice import choose
-from specpipe.builder.measure import MIN_CALLS, in_decoding_curve
+from specpipe.engines.timing import MIN_CALLS, in_decoding_curve
 from specpipe.contract.costs import StepCosts
 from specpipe.contract.generation import GenerationConfig
 from specpipe.contract.manifest import CandidateMeasurement, sha256_file

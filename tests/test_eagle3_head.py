@@ -266,6 +266,32 @@ def test_verdict_predicts_against_each_target_precision(trained_head, eight_laye
     assert f"against the {'int8-wo' if v['target_quant'] == 'int8-wo' else 'fp32'} target" in line and other in line
 
 
+def test_verdict_times_the_verify_calls_decoding_pays(trained_head, eight_layer_target, tiny_tokenizer):
+    """Given held-out prompts, the verdict decodes them with the target alone and with the head, and its verify curve
+    is each call's median over the target alone's 1-token steps where decoding made enough of them (the timed point
+    elsewhere), as the build's sample bench records it; the curve timed alone is kept beside it."""
+    from specpipe.distill.verdict import DECODE_PROMPTS, measured_verdict, verdict_line
+    from specpipe.engines.timing import MIN_CALLS, curve_of
+
+    prompts = [tiny_tokenizer(text)["input_ids"] for text in
+               ("def add(a, b):", "The quick brown fox", "for i in range(10):", "Once upon a time", "import os")]
+    v = measured_verdict(0.5, eight_layer_target, threads=1, head=trained_head.path, feature_layers=(1, 3, 4),
+                         prompts=prompts, tokenizer=tiny_tokenizer, eos_token_ids=[10**6])  # no EOS: every token runs
+    decoded, timed = v["step_ms"]["decoded"], v["step_ms"]["verify_timed"]
+    assert decoded["prompts"] == DECODE_PROMPTS < len(prompts)
+    calls = decoded["calls"]
+    one_calls, one_ms = calls["1"]
+    assert one_calls >= MIN_CALLS  # the target alone's 1-token steps, the unit
+    relative = {1 + k: (calls[str(1 + k)][1] / one_ms if calls.get(str(1 + k), [0])[0] >= MIN_CALLS else timed[k - 1])
+                for k in range(1, len(timed) + 1)}
+    assert v["step_costs"]["verify"] == pytest.approx(list(curve_of(relative, 1.0, len(timed))), rel=2e-3)
+    assert decoded["verify"] == pytest.approx(v["step_costs"]["verify"], abs=1e-4)
+    # adaptive K drafts at least one token a step (the head's acceptance here is near 0, so mostly one): the curve's
+    # first point comes from decoding, not from the timing alone
+    assert calls.get("2", [0])[0] >= MIN_CALLS
+    assert "as decoding 4 held-out prompts paid them" in verdict_line(v)
+
+
 def test_verdict_exports_the_target_at_the_precision_build_makes(eight_layer_target, tmp_path):
     """The verdict's int8-wo target is build's: MatMulNBits weights (quantize/weight_only.BUILDER_RECIPES), and it
     still outputs the head's features."""

@@ -24,7 +24,6 @@ cache, one engine's 2-token call read 1.04 to 1.18 of a step across readings on 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ from specpipe.engines import load_engine
 from specpipe.engines.base import Engine
 from specpipe.engines.onnxruntime import TARGET_MIN_ROWS
 from specpipe.engines.timing import (VERIFY_CURVE_TOKENS, batch_step_ms, batch_steps_ms, calls_ms, curve_of, head_step_ms,
-                                     step_ms, target_step)
+                                     in_decoding_curve, pooled_calls, step_ms, target_step)
 from specpipe.speculative.adaptive import predicted_speedup
 from specpipe.speculative.drafters import Drafter
 from specpipe.speculative.stats import calls_summary
@@ -224,7 +223,7 @@ def measure_candidates(target: Engine, candidates: Sequence[Candidate], tokenize
         summary = summarize(row.label, row.kind, None, results[row.label], results[NONE], reference)
         candidate, calls = by_spec[row.label], None
         if row.label != NONE:
-            calls = _pooled_calls(results[row.label])
+            calls = pooled_calls(results[row.label])
             curve = in_decoding_curve(one_token, calls, candidate.costs.verify)
             if curve != candidate.costs.verify:
                 progress(f"{row.label}: verify calls in decoding {_curve_text(curve)} of a step, timed alone "
@@ -237,33 +236,6 @@ def measure_candidates(target: Engine, candidates: Sequence[Candidate], tokenize
             record.verify_calls = {**calls_summary({1: one_token}), **calls_summary(own)}
         records.append(record)
     return records
-
-
-# Calls of one size a median needs before it replaces the curve's timed point.
-MIN_CALLS = 8
-
-
-def in_decoding_curve(one_token_s: Sequence[float], calls_s: dict[int, list[float]], timed: Sequence[float], *,
-                      min_calls: int = MIN_CALLS) -> tuple[float, ...]:
-    """The verify curve (StepCosts.verify) as decoding paid it: for each k with at least `min_calls` calls on 1 + k
-    tokens (`calls_s`, seconds, SpecStats.call_s), their median over the median of the target alone's 1-token steps
-    of the same run (`one_token_s`); the `timed` point where decoding made fewer (adaptive K seldom drafts the
-    longest blocks). Floored as every curve is (engines/timing.py `curve_of`). `timed` unchanged when the target alone
-    made fewer than `min_calls` 1-token steps."""
-    if len(one_token_s) < min_calls or not timed:
-        return tuple(timed)
-    one = statistics.median(one_token_s)
-    relative = {1 + k: (statistics.median(calls_s[1 + k]) / one if len(calls_s.get(1 + k, ())) >= min_calls
-                        else timed[k - 1]) for k in range(1, len(timed) + 1)}
-    return curve_of(relative, 1.0, len(timed))
-
-
-def _pooled_calls(runs) -> dict[int, list[float]]:
-    calls: dict[int, list[float]] = {}
-    for m in runs:
-        for n, seconds in m.call_s.items():
-            calls.setdefault(n, []).extend(seconds)
-    return calls
 
 
 def _curve_text(curve: Sequence[float]) -> str:

@@ -200,7 +200,7 @@ class CandidateMeasurement(_Record):
     matches_target: Optional[int]  # prompts whose token ids equal the target alone's (greedy: all of them)
     step_costs: Optional[StepCosts]  # this candidate's engines, on this machine
     predicted_speedup: Optional[float]  # adaptive K's model for a draft with an engine, at the measured acceptance
-    # step_costs.verify is the curve the sample's decoding paid (builder/measure.py `in_decoding_curve`); the curve
+    # step_costs.verify is the curve the sample's decoding paid (engines/timing.py `in_decoding_curve`); the curve
     # timed alone before it, and decoding's target calls {tokens: [calls, median ms]} ("1": the target alone's steps)
     verify_timed: Optional[tuple[float, ...]] = None
     verify_calls: Optional[dict[str, list[float]]] = None

@@ -14,6 +14,12 @@ steps faster while the head's step does not, so the same head that pays against 
 int8-wo one (the 2026-11-24 demo: the head 1.00x against the int8-wo target `--quant auto` chose). So the verdict
 predicts once per precision and names the least of them. When an engine cannot be made here, the verdict says it
 cannot predict and why.
+
+The verify curve is the one decoding pays. Given held-out prompts, the verdict decodes a few of them with the target
+alone and with the head (adaptive K), in turns, and takes each verify call's time over the target alone's 1-token
+steps (engines/timing.py `in_decoding_curve`, as the build's sample bench records it). The curve timed alone
+(`calls_ms`) read a 2-token call at 1.03 of a step in a fresh Zen 4 demo while decoding paid ~1.2, so that verdict said
+1.39x for a head that ran 1.23-1.26x on held-out code (docs/eagle3-decoding.md, session 46).
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ CONTEXT_TOKENS = 64
 VERIFY_TOKENS = 8
 MAX_DRAFT_LEN = 16
 REPEATS = 40  # rounds of the target's calls in turns (~2 s for SmolLM2-135M on 2 cores)
+# Held-out prompts the verdict decodes (each with the target alone and with the draft) and their new tokens:
+# ~4 s against an int8-wo SmolLM2-135M, ~10 s against fp32, on 2 cores.
+DECODE_PROMPTS = 4
+DECODE_TOKENS = 48
 MEASURED_WITH = ("ONNX Runtime engines exported here ({quant} target{draft}); build may also quantize a model draft "
                  "and slice its head, which only makes the draft's steps cheaper")
 QUANT_NAMES = {"none": "fp32"}  # a target precision as the verdict names it; others by their --quant mode
@@ -95,10 +105,13 @@ class ExportedTargets:
 
 def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, head: Optional[Path] = None,
                  feature_layers: Sequence[int] = (), quant: str = "none",
-                 targets: Optional[ExportedTargets] = None) -> tuple[StepCosts, dict]:
+                 targets: Optional[ExportedTargets] = None, prompts: Sequence[Sequence[int]] = (),
+                 tokenizer=None, eos_token_ids: Sequence[int] = ()) -> tuple[StepCosts, dict]:
     """Step costs, as fractions of a step of the target at `quant`, of the engines that will run: a model `draft`
     checkpoint, or an EAGLE-3 `head` folder reading the target's `feature_layers`. Returns the costs and the
-    milliseconds behind them. `targets`: the run's exported targets (exported here when missing)."""
+    milliseconds behind them. `targets`: the run's exported targets (exported here when missing). `prompts` (token
+    ids; a `head`'s, with `tokenizer`): held-out prompts, the first DECODE_PROMPTS decoded for the verify curve
+    (`decoded_costs`); without them, the curve as timed alone."""
     from specpipe.engines import load_engine
     from specpipe.engines.timing import VERIFY_CURVE_TOKENS, calls_ms, curve_of, step_ms
 
@@ -125,9 +138,48 @@ def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, he
             draft_ms = step_ms(load_engine(export_engine(draft, Path(tmp) / "draft"), threads=threads), 1,
                                context_len=CONTEXT_TOKENS, repeats=REPEATS)
         curve = curve_of(ms, one)
-    costs = StepCosts(draft=draft_ms / one, verify_per_token=max(many - one, 0.0) / VERIFY_TOKENS / one, verify=curve)
+        costs = StepCosts(draft=draft_ms / one, verify_per_token=max(many - one, 0.0) / VERIFY_TOKENS / one, verify=curve)
+        decoded = None
+        if head is not None and prompts and tokenizer is not None:
+            from specpipe.drafts.eagle3 import head_drafter
+
+            drafter = head_drafter(Path(head), engine, target_dir, dtype=head_dtype)
+            costs, decoded = decoded_costs(engine, drafter, costs, prompts[:DECODE_PROMPTS], tokenizer, eos_token_ids)
     return costs, {"target_step_ms": round(one, 3), f"target_{1 + VERIFY_TOKENS}_token_step_ms": round(many, 3),
-                   "draft_step_ms": round(draft_ms, 3), **({"head_dtype": head_dtype} if head is not None else {})}
+                   "draft_step_ms": round(draft_ms, 3), **({"head_dtype": head_dtype} if head is not None else {}),
+                   **({"verify_timed": list(curve), "decoded": decoded} if decoded is not None else {})}
+
+
+def decoded_costs(engine, drafter, costs: StepCosts, prompts: Sequence[Sequence[int]], tokenizer,
+                  eos_token_ids: Sequence[int] = (), *, max_new_tokens: int = DECODE_TOKENS) -> tuple[StepCosts, dict]:
+    """`costs` with the verify curve decoding paid: `prompts` decoded greedily by the target alone and with `drafter`
+    (adaptive K from `costs`, as served), prompt by prompt in turns (bench/harness.py `run_rows`), each verify call
+    over the target alone's 1-token steps (engines/timing.py `in_decoding_curve`: a point with too few calls keeps
+    its timed value). Also returns what was decoded: prompts, the calls {tokens: [calls, median ms]} ("1": the
+    target alone's), the draft's acceptance and those prompts' speedup (a handful: the prediction stays the model's)."""
+    import dataclasses
+
+    from specpipe.bench.harness import SpecRow, run_rows, summarize
+    from specpipe.contract.decoding import DecodingPolicy
+    from specpipe.engines.timing import in_decoding_curve, pooled_calls
+    from specpipe.speculative.generator import SpecGenerator
+    from specpipe.speculative.stats import calls_summary
+
+    policy = DecodingPolicy()  # K up to the build's default max_draft_len, greedy: as a built deployment decodes
+    rows = [SpecRow("alone", SpecGenerator(engine, None, tokenizer, eos_token_ids, costs), policy.request(0),
+                    "target-only", None),
+            SpecRow("draft", SpecGenerator(engine, drafter, tokenizer, eos_token_ids, costs), policy.request(None),
+                    "speculative", None)]
+    listed = [(f"held-out {i}", list(ids)) for i, ids in enumerate(prompts)]
+    results = run_rows(rows, listed, max_new_tokens=max_new_tokens, warmup=[listed[0][1]])
+    one_token = pooled_calls(results["alone"]).get(1, [])
+    calls = pooled_calls(results["draft"])
+    curve = in_decoding_curve(one_token, calls, costs.verify)
+    summary = summarize("draft", "speculative", None, results["draft"], results["alone"])
+    decoded = {"prompts": len(listed), "new_tokens": max_new_tokens, "verify": list(curve),
+               "calls": {**calls_summary({1: one_token}), **calls_summary({n: s for n, s in calls.items() if n > 1})},
+               "acceptance": summary["acceptance_rate"], "speedup": summary["speedup"]}
+    return dataclasses.replace(costs, verify=curve), decoded
 
 
 def verdict(agreement: float, costs: StepCosts, *, kind: str = "model", timings: Optional[dict] = None,
@@ -155,18 +207,21 @@ def no_prediction(agreement: float, reason: str = NOT_TIMED) -> dict:
 
 def measured_verdict(agreement: float, target: Path, *, threads: int, draft: Optional[Path] = None,
                      head: Optional[Path] = None, feature_layers: Sequence[int] = (),
-                     quants: Sequence[str] = ("none",), targets: Optional[ExportedTargets] = None) -> dict:
+                     quants: Sequence[str] = ("none",), targets: Optional[ExportedTargets] = None,
+                     prompts: Sequence[Sequence[int]] = (), tokenizer=None, eos_token_ids: Sequence[int] = ()) -> dict:
     """The verdict with the engines' costs measured here, once per target precision in `quants`: the least
     prediction leads (the build may pick any of them), each one under `by_target_quant`. When an engine cannot be
     made, a verdict that says it cannot predict and why (agreement kept). `targets`: the run's exported targets
-    (those the ONNX teacher answered on are not exported again)."""
+    (those the ONNX teacher answered on are not exported again). `prompts`, `tokenizer`, `eos_token_ids`: held-out
+    prompts a head's verify curve is timed on in decoding (`engine_costs`)."""
     from specpipe.errors import SpecpipeError
 
     by_quant = {}
     for quant in dict.fromkeys(quants):
         try:
             costs, timings = engine_costs(target, threads=threads, draft=draft, head=head, feature_layers=feature_layers,
-                                          quant=quant, targets=targets)
+                                          quant=quant, targets=targets, prompts=prompts, tokenizer=tokenizer,
+                                          eos_token_ids=eos_token_ids)
         except (SpecpipeError, OSError, ValueError, RuntimeError) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             return no_prediction(agreement, f"{QUANT_NAMES.get(quant, quant)} target: {reason}")
@@ -183,9 +238,11 @@ def verdict_line(v: dict) -> str:
     speedup = v["predicted_speedup"]
     costs = v["step_costs"]
     target = QUANT_NAMES.get(v.get("target_quant", "none"), v.get("target_quant"))
+    decoded = (v.get("step_ms") or {}).get("decoded")
+    paid = f" as decoding {decoded['prompts']} held-out prompts paid them" if decoded else ""
     line = (f"verdict: agreement {v['agreement']:.2f} on {v.get('agreement_on', 'held-out answers')}, predicted {speedup:.2f}x at K={v['best_k']} "
             f"against the {target} target (draft step {costs['draft']:.3f}, verify {_verify_text(costs)} of a target "
-            "step, ONNX Runtime engines)")
+            f"step{paid}, ONNX Runtime engines)")
     others = [f"{QUANT_NAMES.get(q, q)} {o['predicted_speedup']:.2f}x" for q, o in (v.get("by_target_quant") or {}).items()
               if q != v.get("target_quant")]
     if others:

@@ -40,6 +40,36 @@ def curve_of(ms_by_tokens: dict[int, float], one_ms: float, max_drafts: int = VE
     return tuple(curve)
 
 
+# Calls of one size a median needs before it replaces the curve's timed point (`in_decoding_curve`).
+MIN_CALLS = 8
+
+
+def in_decoding_curve(one_token_s: Sequence[float], calls_s: dict[int, list[float]], timed: Sequence[float], *,
+                      min_calls: int = MIN_CALLS) -> tuple[float, ...]:
+    """The verify curve (StepCosts.verify) as decoding paid it: for each k with at least `min_calls` calls on 1 + k
+    tokens (`calls_s`, seconds, SpecStats.call_s), their median over the median of the target alone's 1-token steps
+    of the same run (`one_token_s`); the `timed` point where decoding made fewer (adaptive K seldom drafts the
+    longest blocks). Floored as every curve is (`curve_of`). `timed` unchanged when the target alone made fewer than
+    `min_calls` 1-token steps. What the build's sample bench (builder/measure.py) and the distill verdict
+    (distill/verdict.py) record: the curve `calls_ms` times alone moved from reading to reading on one VM (a 2-token
+    call 1.04-1.18 of a step on a Zen 4) while decoding paid ~1.15 (docs/eagle3-decoding.md, session 44)."""
+    if len(one_token_s) < min_calls or not timed:
+        return tuple(timed)
+    one = statistics.median(one_token_s)
+    relative = {1 + k: (statistics.median(calls_s[1 + k]) / one if len(calls_s.get(1 + k, ())) >= min_calls
+                        else timed[k - 1]) for k in range(1, len(timed) + 1)}
+    return curve_of(relative, 1.0, len(timed))
+
+
+def pooled_calls(runs) -> dict[int, list[float]]:
+    """The target calls of several decoding runs (each with `call_s`, SpecStats' {tokens: [seconds]}), pooled."""
+    calls: dict[int, list[float]] = {}
+    for run in runs:
+        for n, seconds in run.call_s.items():
+            calls.setdefault(n, []).extend(seconds)
+    return calls
+
+
 def calls_ms(engine, token_counts: Sequence[int], *, context_len: int = 64, repeats: int = 20) -> dict[int, float]:
     """Median ms of one engine call adding n tokens on top of a `context_len`-token cache, for each n in
     `token_counts`, the counts taking turns call by call: their ratios (a verify call over a one-token step) then

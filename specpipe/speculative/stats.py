@@ -9,7 +9,7 @@
 - mean_accepted_len = tokens emitted per target verification step, **including** the one recovered or
   bonus token (vLLM's convention): target-only decoding has 1.0, a perfect K-token draft has K+1.
 - call_s: seconds of each target call after the request's first (the prompt's), by the tokens it added (1 + drafts):
-  the verify curve as decoding pays it (builder/measure.py `in_decoding_curve`).
+  the verify curve as decoding pays it (engines/timing.py `in_decoding_curve`).
 - ttft_ms: request start to the first emitted token; tokens_per_s: generated tokens / total wall time
   (prefill included); decode_tokens_per_s excludes the time to first token.
 """
