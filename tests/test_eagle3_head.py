@@ -289,7 +289,9 @@ def test_verdict_times_the_verify_calls_decoding_pays(trained_head, eight_layer_
     # adaptive K drafts at least one token a step (the head's acceptance here is near 0, so mostly one): the curve's
     # first point comes from decoding, not from the timing alone
     assert calls.get("2", [0])[0] >= MIN_CALLS
-    assert "as decoding 4 held-out prompts paid them" in verdict_line(v)
+    line = verdict_line(v)
+    assert "as decoding 4 held-out prompts paid them" in line
+    assert f"they decoded at {decoded['speedup']:.2f}x, acceptance {decoded['acceptance']:.2f}" in line
 
 
 def test_verdict_exports_the_target_at_the_precision_build_makes(eight_layer_target, tmp_path):

@@ -239,7 +239,12 @@ def verdict_line(v: dict) -> str:
     costs = v["step_costs"]
     target = QUANT_NAMES.get(v.get("target_quant", "none"), v.get("target_quant"))
     decoded = (v.get("step_ms") or {}).get("decoded")
-    paid = f" as decoding {decoded['prompts']} held-out prompts paid them" if decoded else ""
+    paid = ""
+    if decoded:
+        paid = f" as decoding {decoded['prompts']} held-out prompts paid them"
+        if decoded.get("speedup") is not None and decoded.get("acceptance") is not None:
+            paid += f"; they decoded at {decoded['speedup']:.2f}x, acceptance {decoded['acceptance']:.2f}"
+
     line = (f"verdict: agreement {v['agreement']:.2f} on {v.get('agreement_on', 'held-out answers')}, predicted {speedup:.2f}x at K={v['best_k']} "
             f"against the {target} target (draft step {costs['draft']:.3f}, verify {_verify_text(costs)} of a target "
             f"step{paid}, ONNX Runtime engines)")
