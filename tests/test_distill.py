@@ -394,6 +394,27 @@ def test_cuda_asked_for_without_a_gpu_is_a_one_line_error(tiny_target, tmp_path,
     assert code == 2 and "--device cuda" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_model_drafts_verdict_times_the_verify_calls_decoding_pays(distilled, tiny_target, tiny_tokenizer):
+    """As for a head (tests/test_eagle3_head.py): given held-out prompts, a model draft's verdict decodes them with the
+    target alone and with the draft's engine, and predicts with the verify calls that decoding made."""
+    from specpipe.distill.verdict import DECODE_PROMPTS, measured_verdict, verdict_line
+    from specpipe.engines.timing import MIN_CALLS, curve_of
+
+    prompts = [tiny_tokenizer(text)["input_ids"] for text in
+               ("def add(a, b):", "The quick brown fox", "for i in range(10):", "Once upon a time", "import os")]
+    v = measured_verdict(0.5, tiny_target, threads=1, draft=distilled.path, prompts=prompts, tokenizer=tiny_tokenizer,
+                         eos_token_ids=[10**6])
+    decoded, timed = v["step_ms"]["decoded"], v["step_ms"]["verify_timed"]
+    assert decoded["prompts"] == DECODE_PROMPTS
+    calls = decoded["calls"]
+    one_calls, one_ms = calls["1"]
+    assert one_calls >= MIN_CALLS and sum(n for size, (n, _) in calls.items() if size != "1") >= MIN_CALLS
+    relative = {1 + k: (calls[str(1 + k)][1] / one_ms if calls.get(str(1 + k), [0])[0] >= MIN_CALLS else timed[k - 1])
+                for k in range(1, len(timed) + 1)}
+    assert v["step_costs"]["verify"] == pytest.approx(list(curve_of(relative, 1.0, len(timed))), rel=2e-3)
+    assert "as decoding 4 held-out prompts paid them" in verdict_line(v)
+
+
 def test_verdict_says_when_it_cannot_predict(tmp_path):
     """No engine can be made (here: no checkpoint): the verdict keeps the agreement and says it cannot predict."""
     from specpipe.distill.verdict import measured_verdict, verdict_line

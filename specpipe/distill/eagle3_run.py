@@ -35,15 +35,6 @@ def split_by_prompt(sequences: list, share: float = HELD_OUT_SHARE) -> tuple[lis
     return [s for s in sequences if id(s) not in held_ids] or sequences, held[:HELD_OUT_MAX]
 
 
-def held_out_prompts(held_out: list) -> list[list[int]]:
-    """The held-out sequences' prompts (chat template and prompt: the tokens before each answer), each once, in order."""
-    prompts: dict[tuple[int, ...], None] = {}
-    for s in held_out:
-        if s.prompt_len:
-            prompts.setdefault(tuple(int(t) for t in s.token_ids[: s.prompt_len].tolist()), None)
-    return [list(p) for p in prompts]
-
-
 def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     import torch
 
@@ -138,13 +129,14 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     acceptance = chain["conditional"][0] if chain and chain["anchors"] else record["held_out_agreement"]
 
     def judge(folder: Path) -> None:  # the written head timed as its CPU engine, the target as its ONNX engine
+        from specpipe.distill.teacher import prompts_of
         from specpipe.distill.verdict import measured_verdict, no_prediction, verdict_line
 
         if cfg.verdict:
             progress.log("timing the target (ONNX Runtime) and the head (its CPU engine) for the verdict")
             timed = measured_verdict(acceptance or 0.0, target.path, threads=cfg.threads, head=folder,
                                      feature_layers=layers, quants=cfg.verdict_quant, targets=targets,
-                                     prompts=held_out_prompts(held_out), tokenizer=tokenizer, eos_token_ids=sorted(eos_ids))
+                                     prompts=prompts_of(held_out), tokenizer=tokenizer, eos_token_ids=sorted(eos_ids))
         else:
             timed = no_prediction(acceptance or 0.0)
         record["verdict"] = {**timed,

@@ -266,6 +266,7 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
     from specpipe.distill.student import draft_cost_ratio, make_student
     from specpipe.distill.train import Trainer
 
+    from specpipe.distill.teacher import prompts_of
     from specpipe.distill.verdict import ExportedTargets, measured_verdict, no_prediction, verdict_line
     from specpipe.machine import describe_machine
 
@@ -333,7 +334,8 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
         if cfg.verdict:
             progress.log("timing the target and the draft as ONNX Runtime engines for the verdict")
             timed = measured_verdict(acceptance, target.path, threads=cfg.threads, draft=folder,
-                                     quants=cfg.verdict_quant, targets=targets)
+                                     quants=cfg.verdict_quant, targets=targets, prompts=prompts_of(held_out),
+                                     tokenizer=tokenizer, eos_token_ids=sorted(eos_ids))
         else:
             timed = no_prediction(acceptance)
         record["verdict"] = {**timed, "agreement_on": measured_on}

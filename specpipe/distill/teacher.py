@@ -62,6 +62,15 @@ class TeacherSequence:
         return {k: getattr(self, k) for k in names}
 
 
+def prompts_of(sequences: Sequence[TeacherSequence]) -> list[list[int]]:
+    """The sequences' prompts (chat template and prompt: the tokens before each answer), each once, in order."""
+    prompts: dict[tuple[int, ...], None] = {}
+    for s in sequences:
+        if s.prompt_len:
+            prompts.setdefault(tuple(int(t) for t in s.token_ids[: s.prompt_len].tolist()), None)
+    return [list(p) for p in prompts]
+
+
 class TeacherCache:
     """A folder of shards plus meta.json ({"key": settings, "seconds": generation time so far, ...})."""
 

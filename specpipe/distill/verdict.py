@@ -16,7 +16,7 @@ predicts once per precision and names the least of them. When an engine cannot b
 cannot predict and why.
 
 The verify curve is the one decoding pays. Given held-out prompts, the verdict decodes a few of them with the target
-alone and with the head (adaptive K), in turns, and takes each verify call's time over the target alone's 1-token
+alone and with the draft (adaptive K), in turns, and takes each verify call's time over the target alone's 1-token
 steps (engines/timing.py `in_decoding_curve`, as the build's sample bench records it). The curve timed alone
 (`calls_ms`) read a 2-token call at 1.03 of a step in a fresh Zen 4 demo while decoding paid ~1.2, so that verdict said
 1.39x for a head that ran 1.23-1.26x on held-out code (docs/eagle3-decoding.md, session 46).
@@ -110,7 +110,7 @@ def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, he
     """Step costs, as fractions of a step of the target at `quant`, of the engines that will run: a model `draft`
     checkpoint, or an EAGLE-3 `head` folder reading the target's `feature_layers`. Returns the costs and the
     milliseconds behind them. `targets`: the run's exported targets (exported here when missing). `prompts` (token
-    ids; a `head`'s, with `tokenizer`): held-out prompts, the first DECODE_PROMPTS decoded for the verify curve
+    ids, with `tokenizer`): held-out prompts, the first DECODE_PROMPTS decoded with the draft for the verify curve
     (`decoded_costs`); without them, the curve as timed alone."""
     from specpipe.engines import load_engine
     from specpipe.engines.timing import VERIFY_CURVE_TOKENS, calls_ms, curve_of, step_ms
@@ -135,15 +135,20 @@ def engine_costs(target: Path, *, threads: int, draft: Optional[Path] = None, he
                                                     target=engine)
             draft_ms = head_ms[head_dtype]
         else:
-            draft_ms = step_ms(load_engine(export_engine(draft, Path(tmp) / "draft"), threads=threads), 1,
-                               context_len=CONTEXT_TOKENS, repeats=REPEATS)
+            draft_engine = load_engine(export_engine(draft, Path(tmp) / "draft"), threads=threads)
+            draft_ms = step_ms(draft_engine, 1, context_len=CONTEXT_TOKENS, repeats=REPEATS)
         curve = curve_of(ms, one)
         costs = StepCosts(draft=draft_ms / one, verify_per_token=max(many - one, 0.0) / VERIFY_TOKENS / one, verify=curve)
         decoded = None
-        if head is not None and prompts and tokenizer is not None:
-            from specpipe.drafts.eagle3 import head_drafter
+        if prompts and tokenizer is not None:
+            if head is not None:
+                from specpipe.drafts.eagle3 import head_drafter
 
-            drafter = head_drafter(Path(head), engine, target_dir, dtype=head_dtype)
+                drafter = head_drafter(Path(head), engine, target_dir, dtype=head_dtype)
+            else:
+                from specpipe.speculative.drafters import ModelDrafter
+
+                drafter = ModelDrafter(draft_engine, engine.vocab_size)
             costs, decoded = decoded_costs(engine, drafter, costs, prompts[:DECODE_PROMPTS], tokenizer, eos_token_ids)
     return costs, {"target_step_ms": round(one, 3), f"target_{1 + VERIFY_TOKENS}_token_step_ms": round(many, 3),
                    "draft_step_ms": round(draft_ms, 3), **({"head_dtype": head_dtype} if head is not None else {}),
