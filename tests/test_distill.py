@@ -411,7 +411,8 @@ def test_a_model_drafts_verdict_times_the_verify_calls_decoding_pays(distilled, 
     assert one_calls >= MIN_CALLS and sum(n for size, (n, _) in calls.items() if size != "1") >= MIN_CALLS
     relative = {1 + k: (calls[str(1 + k)][1] / one_ms if calls.get(str(1 + k), [0])[0] >= MIN_CALLS else timed[k - 1])
                 for k in range(1, len(timed) + 1)}
-    assert v["step_costs"]["verify"] == pytest.approx(list(curve_of(relative, 1.0, len(timed))), rel=2e-3)
+    # rel: the recorded medians are rounded to 1e-4 ms (calls_summary), ~0.1% of a tiny model's call
+    assert v["step_costs"]["verify"] == pytest.approx(list(curve_of(relative, 1.0, len(timed))), rel=3e-3)
     assert "as decoding 4 held-out prompts paid them" in verdict_line(v)
 
 

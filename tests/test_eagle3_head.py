@@ -284,7 +284,8 @@ def test_verdict_times_the_verify_calls_decoding_pays(trained_head, eight_layer_
     assert one_calls >= MIN_CALLS  # the target alone's 1-token steps, the unit
     relative = {1 + k: (calls[str(1 + k)][1] / one_ms if calls.get(str(1 + k), [0])[0] >= MIN_CALLS else timed[k - 1])
                 for k in range(1, len(timed) + 1)}
-    assert v["step_costs"]["verify"] == pytest.approx(list(curve_of(relative, 1.0, len(timed))), rel=2e-3)
+    # rel: the recorded medians are rounded to 1e-4 ms (calls_summary), ~0.1% of a tiny model's call
+    assert v["step_costs"]["verify"] == pytest.approx(list(curve_of(relative, 1.0, len(timed))), rel=3e-3)
     assert decoded["verify"] == pytest.approx(v["step_costs"]["verify"], abs=1e-4)
     # adaptive K drafts at least one token a step (the head's acceptance here is near 0, so mostly one): the curve's
     # first point comes from decoding, not from the timing alone
