@@ -218,7 +218,7 @@ def measured_verdict(agreement: float, target: Path, *, threads: int, draft: Opt
     prediction leads (the build may pick any of them), each one under `by_target_quant`. When an engine cannot be
     made, a verdict that says it cannot predict and why (agreement kept). `targets`: the run's exported targets
     (those the ONNX teacher answered on are not exported again). `prompts`, `tokenizer`, `eos_token_ids`: held-out
-    prompts a head's verify curve is timed on in decoding (`engine_costs`)."""
+    prompts a draft's verify curve is timed on in decoding (`engine_costs`)."""
     from specpipe.errors import SpecpipeError
 
     by_quant = {}
