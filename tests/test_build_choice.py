@@ -118,6 +118,7 @@ def test_every_candidate_and_the_target_alone_are_measured_and_recorded(candidat
     assert choice["sample"]["prompts_per_set"] == 1 and choice["sample"]["new_tokens"] == 16
 
 
+@pytest.mark.timing  # its curve is a ratio of times decoding took
 def test_each_candidates_verify_curve_is_the_one_its_decoding_paid(candidates_build):
     folder, manifest = candidates_build
     for record in manifest["draft_choice"]["candidates"]:

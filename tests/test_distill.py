@@ -394,6 +394,7 @@ def test_cuda_asked_for_without_a_gpu_is_a_one_line_error(tiny_target, tmp_path,
     assert code == 2 and "--device cuda" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.timing  # its curve is a ratio of times decoding took
 def test_a_model_drafts_verdict_times_the_verify_calls_decoding_pays(distilled, tiny_target, tiny_tokenizer):
     """As for a head (tests/test_eagle3_head.py): given held-out prompts, a model draft's verdict decodes them with the
     target alone and with the draft's engine, and predicts with the verify calls that decoding made."""

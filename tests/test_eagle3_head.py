@@ -266,6 +266,7 @@ def test_verdict_predicts_against_each_target_precision(trained_head, eight_laye
     assert f"against the {'int8-wo' if v['target_quant'] == 'int8-wo' else 'fp32'} target" in line and other in line
 
 
+@pytest.mark.timing  # its curve is a ratio of times decoding took
 def test_verdict_times_the_verify_calls_decoding_pays(trained_head, eight_layer_target, tiny_tokenizer):
     """Given held-out prompts, the verdict decodes them with the target alone and with the head, and its verify curve
     is each call's median over the target alone's 1-token steps where decoding made enough of them (the timed point
