@@ -399,7 +399,8 @@ def test_a_model_drafts_verdict_times_the_verify_calls_decoding_pays(distilled, 
     """As for a head (tests/test_eagle3_head.py): given held-out prompts, a model draft's verdict decodes them with the
     target alone and with the draft's engine, and predicts with the verify calls that decoding made."""
     from specpipe.distill.verdict import DECODE_PROMPTS, measured_verdict, verdict_line
-    from specpipe.engines.timing import MIN_CALLS, curve_of
+    from specpipe.engines.timing import MIN_CALLS
+    from specpipe.testing.curves import curve_from_calls
 
     prompts = [tiny_tokenizer(text)["input_ids"] for text in
                ("def add(a, b):", "The quick brown fox", "for i in range(10):", "Once upon a time", "import os")]
@@ -408,12 +409,9 @@ def test_a_model_drafts_verdict_times_the_verify_calls_decoding_pays(distilled, 
     decoded, timed = v["step_ms"]["decoded"], v["step_ms"]["verify_timed"]
     assert decoded["prompts"] == DECODE_PROMPTS
     calls = decoded["calls"]
-    one_calls, one_ms = calls["1"]
-    assert one_calls >= MIN_CALLS and sum(n for size, (n, _) in calls.items() if size != "1") >= MIN_CALLS
-    relative = {1 + k: (calls[str(1 + k)][1] / one_ms if calls.get(str(1 + k), [0])[0] >= MIN_CALLS else timed[k - 1])
-                for k in range(1, len(timed) + 1)}
+    assert calls["1"][0] >= MIN_CALLS and sum(n for size, (n, _) in calls.items() if size != "1") >= MIN_CALLS
     # rel: the recorded medians are rounded to 1e-4 ms (calls_summary), ~0.1% of a tiny model's call
-    assert v["step_costs"]["verify"] == pytest.approx(list(curve_of(relative, 1.0, len(timed))), rel=3e-3)
+    assert v["step_costs"]["verify"] == pytest.approx(curve_from_calls(calls, timed), rel=3e-3)
     assert "as decoding 4 held-out prompts paid them" in verdict_line(v)
 
 

@@ -272,7 +272,8 @@ def test_verdict_times_the_verify_calls_decoding_pays(trained_head, eight_layer_
     is each call's median over the target alone's 1-token steps where decoding made enough of them (the timed point
     elsewhere), as the build's sample bench records it; the curve timed alone is kept beside it."""
     from specpipe.distill.verdict import DECODE_PROMPTS, measured_verdict, verdict_line
-    from specpipe.engines.timing import MIN_CALLS, curve_of
+    from specpipe.engines.timing import MIN_CALLS
+    from specpipe.testing.curves import curve_from_calls
 
     prompts = [tiny_tokenizer(text)["input_ids"] for text in
                ("def add(a, b):", "The quick brown fox", "for i in range(10):", "Once upon a time", "import os")]
@@ -281,12 +282,9 @@ def test_verdict_times_the_verify_calls_decoding_pays(trained_head, eight_layer_
     decoded, timed = v["step_ms"]["decoded"], v["step_ms"]["verify_timed"]
     assert decoded["prompts"] == DECODE_PROMPTS < len(prompts)
     calls = decoded["calls"]
-    one_calls, one_ms = calls["1"]
-    assert one_calls >= MIN_CALLS  # the target alone's 1-token steps, the unit
-    relative = {1 + k: (calls[str(1 + k)][1] / one_ms if calls.get(str(1 + k), [0])[0] >= MIN_CALLS else timed[k - 1])
-                for k in range(1, len(timed) + 1)}
+    assert calls["1"][0] >= MIN_CALLS  # the target alone's 1-token steps, the unit
     # rel: the recorded medians are rounded to 1e-4 ms (calls_summary), ~0.1% of a tiny model's call
-    assert v["step_costs"]["verify"] == pytest.approx(list(curve_of(relative, 1.0, len(timed))), rel=3e-3)
+    assert v["step_costs"]["verify"] == pytest.approx(curve_from_calls(calls, timed), rel=3e-3)
     assert decoded["verify"] == pytest.approx(v["step_costs"]["verify"], abs=1e-4)
     # adaptive K drafts at least one token a step (the head's acceptance here is near 0, so mostly one): the curve's
     # first point comes from decoding, not from the timing alone
