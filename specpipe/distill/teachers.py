@@ -88,20 +88,29 @@ class Teachers:
         self.model, self.device, self.targets, self.threads = model, device, targets, threads
         self.batch_rows, self.top_k, self.feature_layers = batch_rows, top_k, tuple(feature_layers)
         self.made: dict = {}
+        self.lent_attention: Optional[str] = None  # the run's model's attention while it is the fp32 teacher
 
     def torch_model(self, dtype: str):
         import torch
 
+        from specpipe.distill.grouped_attention import use_grouped_attention
+
         key = ("torch", dtype)
         if key not in self.made:
+            # Batched answers are left-padded, so attention runs with a mask; in bf16 on CPU torch's SDPA then takes a
+            # slow path (batch 48, 200-token context: 251 ms/step vs 161 ms eager; fp32: equal), and both SDPA and
+            # eager copy each key/value head per query head there: grouped attention reads them in place (a 48-row
+            # bf16 teacher 1.5x, fp32 1.2x; docs/eagle3.md 3w).
             if dtype == "float32" and self.device.type == "cpu":
-                self.made[key] = self.model
+                teacher = self.model  # lent: release() gives it back its own attention
+                own = teacher.config._attn_implementation
+                if use_grouped_attention(teacher):
+                    self.lent_attention = own
             else:
                 teacher = copy.deepcopy(self.model).to(device=self.device, dtype=getattr(torch, dtype))
-                # Batched answers are left-padded, so attention runs with a mask; in bf16 on CPU torch's SDPA
-                # then takes a slow path (batch 48, 200-token context: 251 ms/step vs 161 ms eager; fp32: equal).
-                teacher.set_attn_implementation("eager")
-                self.made[key] = teacher
+                if not use_grouped_attention(teacher):
+                    teacher.set_attn_implementation("eager")
+            self.made[key] = teacher
         return self.made[key]
 
     def onnx_batch(self, quant: str):
@@ -148,6 +157,9 @@ class Teachers:
         return call
 
     def release(self) -> None:
+        if self.lent_attention is not None:
+            self.model.set_attn_implementation(self.lent_attention)
+            self.lent_attention = None
         self.made.clear()
 
 
