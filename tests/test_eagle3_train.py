@@ -305,3 +305,46 @@ def test_warm_attention_starts_the_head_as_the_targets_last_layer(tiny_model):
         state = head.unrolled(features, head_tokens, torch.ones(1, 12, dtype=torch.bool), steps=1)[0]
         assert torch.allclose(head.logits(state), out.logits[..., vocab_ids], atol=1e-4), \
             float((head.logits(state) - out.logits[..., vocab_ids]).abs().max())
+
+
+def test_shape_buckets_change_neither_the_loss_nor_the_gradients(tiny_model, tmp_path, monkeypatch):
+    """The head's batches and the loss's products are padded to bucketed shapes (oneDNN builds a kernel per shape);
+    the padding must teach nothing: the same loss and gradients as unpadded shapes, over a partial candidate set."""
+    import specpipe.distill.eagle3_train as eagle3_train
+    import specpipe.distill.train as train
+
+    hidden = tiny_model.config.hidden_size
+    seqs = [_prompted(23, 7, hidden, 1), _prompted(37, 9, hidden, 2), _prompted(12, 5, hidden, 3)]
+    trainer = _trainer(tiny_model, seqs, tmp_path, torch.arange(0, 64))
+    trainer.negatives = 5  # a candidate set of the teacher's ids and 5 drawn ones, not the whole draft vocabulary
+    assert eagle3_train.collate_head(seqs, 0, 2, prompt_weight=1.0)[0].shape[1] % eagle3_train.ROW_BUCKET == 0
+
+    def loss_and_gradients():
+        trainer.generator.manual_seed(7)
+        trainer.student.zero_grad(set_to_none=True)
+        loss, agreement, tokens = trainer._loss(seqs, "float32")
+        loss.backward()
+        return loss.detach(), agreement, tokens, {n: p.grad.clone() for n, p in trainer.student.named_parameters()
+                                                   if p.grad is not None}
+
+    bucketed = loss_and_gradients()
+    monkeypatch.setattr(eagle3_train, "ROW_BUCKET", 1)
+    monkeypatch.setattr(train, "SHAPE_BUCKET", 1)
+    assert eagle3_train.collate_head(seqs, 0, 2, prompt_weight=1.0)[0].shape[1] == 36
+    plain = loss_and_gradients()
+    assert torch.allclose(bucketed[0], plain[0], rtol=1e-5, atol=1e-6), (float(bucketed[0]), float(plain[0]))
+    assert bucketed[1:3] == plain[1:3]
+    assert bucketed[3].keys() == plain[3].keys() and len(plain[3]) > 5
+    for name, grad in plain[3].items():
+        assert torch.allclose(bucketed[3][name], grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_candidate_logits_are_the_plain_product():
+    from specpipe.distill.train import candidate_logits
+
+    g = torch.Generator().manual_seed(0)
+    hidden, head = torch.randn(70, 16, generator=g), torch.randn(300, 16, generator=g)
+    candidates = torch.tensor([3, 9, 40, 41, 77, 200, 299])
+    got = candidate_logits(hidden, head, candidates)
+    assert got.shape == (70, 7)
+    assert torch.allclose(got, hidden @ head[candidates].T, atol=1e-5)

@@ -14,9 +14,10 @@ import torch
 
 from specpipe.distill.eagle3 import Eagle3HeadModule, step_weights
 from specpipe.distill.teacher import TeacherSequence
-from specpipe.distill.train import Trainer, distill_loss
+from specpipe.distill.train import Trainer, bucketed, distill_loss
 
 OUT_OF_VOCAB_LOGPROB = -1e4  # a teacher token the draft vocabulary lacks: weight ~0 after renormalizing
+ROW_BUCKET = 16  # a batch's rows per sequence, rounded up to a multiple of this (collate_head)
 
 
 def collate_head(sequences: list[TeacherSequence], prefix_len: int, steps: int, *, prompt_weight: float):
@@ -24,8 +25,10 @@ def collate_head(sequences: list[TeacherSequence], prefix_len: int, steps: int, 
     features [B, n, F]; tokens [B, n + steps - 1] (tokens[:, j] = t_{j+1}); valid [B, n];
     teacher ids / log-probs [B, n + steps, k] (teacher row r = the target's distribution over t_{r+1});
     row weights [B, n + steps] (0 past the end and on the shared chat prefix, `prompt_weight` on prompt rows).
-    n = longest T - 1. Step k of row i reads tokens[:, i + k] and is taught teacher row i + k + 1."""
-    n = max(len(s) for s in sequences) - 1
+    n = longest T - 1, rounded up to a multiple of ROW_BUCKET (rows past a sequence's end are not valid and weigh 0, so
+    the loss is the same; the head's products then come in few shapes: train.SHAPE_BUCKET).
+    Step k of row i reads tokens[:, i + k] and is taught teacher row i + k + 1."""
+    n = bucketed(max(len(s) for s in sequences) - 1, ROW_BUCKET)
     k = sequences[0].top_ids.shape[1]
     batch = len(sequences)
     width = sequences[0].features.shape[1]

@@ -114,6 +114,28 @@ def shared_prefix_len(sequences: list[TeacherSequence]) -> int:
     return length
 
 
+# Matrix products in a few shapes only: oneDNN builds (JITs) a kernel for each new shape of a bf16 product, and a
+# batch's rows and candidates differ every step. On an Intel CPU with AMX a [850, 3900] x [3900, 576] bf16 product took
+# 25 ms in a new shape against 3.9 ms in a shape seen before (docs/eagle3.md 3w). So a product's row count is rounded up
+# to a multiple of SHAPE_BUCKET (padded rows or columns are sliced off after it: the other entries are unchanged).
+SHAPE_BUCKET = 64
+
+
+def bucketed(size: int, bucket: Optional[int] = None) -> int:
+    """`size` rounded up to a multiple of `bucket` (SHAPE_BUCKET when not given)."""
+    bucket = bucket or SHAPE_BUCKET
+    return -(-size // bucket) * bucket
+
+
+def candidate_logits(hidden: torch.Tensor, head: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """hidden [N, H] @ head[candidates].T -> [N, C], computed as a product of bucketed shape (padding rows of hidden
+    are zeros, padding candidates repeat the last one) and sliced back."""
+    rows, columns = hidden.shape[0], candidates.shape[0]
+    hidden = torch.nn.functional.pad(hidden, (0, 0, 0, bucketed(rows) - rows))
+    candidates = torch.nn.functional.pad(candidates, (0, bucketed(columns) - columns), value=int(candidates[-1]))
+    return (hidden @ head[candidates].T)[:rows, :columns]
+
+
 def distill_loss(hidden: torch.Tensor, head: torch.Tensor, top_ids: torch.Tensor, top_lp: torch.Tensor,
                  weights: torch.Tensor, negatives: int, generator: torch.Generator) -> tuple[torch.Tensor, float]:
     """Soft cross-entropy against the teacher over a candidate set; returns (loss, top-1 agreement).
@@ -128,7 +150,7 @@ def distill_loss(hidden: torch.Tensor, head: torch.Tensor, top_ids: torch.Tensor
         candidates = torch.arange(vocab, device=top_ids.device)
     else:
         candidates = torch.unique(torch.cat([top_ids.flatten(), negative_ids]))  # sorted
-    logits = hidden @ head[candidates].T  # [N, C]
+    logits = candidate_logits(hidden, head, candidates)  # [N, C]
     log_q = torch.log_softmax(logits.float(), dim=-1)
     columns = torch.searchsorted(candidates, top_ids)  # [N, k]: where each teacher token sits in C
     p = torch.softmax(top_lp, dim=-1)  # renormalized over the top-k
