@@ -116,8 +116,8 @@ def shared_prefix_len(sequences: list[TeacherSequence]) -> int:
 
 # Matrix products in a few shapes only: oneDNN builds (JITs) a kernel for each new shape of a bf16 product, and a
 # batch's rows and candidates differ every step. On an Intel CPU with AMX a [850, 3900] x [3900, 576] bf16 product took
-# 25 ms in a new shape against 3.9 ms in a shape seen before (docs/eagle3.md 3w). So a product's row count is rounded up
-# to a multiple of SHAPE_BUCKET (padded rows or columns are sliced off after it: the other entries are unchanged).
+# 25 ms in a new shape against 3.9 ms in a shape seen before (docs/eagle3.md 3w). So the loss's product has its rows and
+# candidates rounded up to multiples of SHAPE_BUCKET (the padding is sliced off after it: the other entries are unchanged).
 SHAPE_BUCKET = 64
 
 
@@ -132,7 +132,7 @@ def candidate_logits(hidden: torch.Tensor, head: torch.Tensor, candidates: torch
     are zeros, padding candidates repeat the last one) and sliced back."""
     rows, columns = hidden.shape[0], candidates.shape[0]
     hidden = torch.nn.functional.pad(hidden, (0, 0, 0, bucketed(rows) - rows))
-    candidates = torch.nn.functional.pad(candidates, (0, bucketed(columns) - columns), value=int(candidates[-1]))
+    candidates = torch.cat([candidates, candidates[-1:].expand(bucketed(columns) - columns)])  # no device sync
     return (hidden @ head[candidates].T)[:rows, :columns]
 
 
