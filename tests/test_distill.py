@@ -65,6 +65,13 @@ def test_distill_writes_a_checkpoint_that_shares_the_tokenizer(distilled, tiny_t
     record = json.loads((out / "distill.json").read_text())
     assert record["training"]["steps"] >= 1
     assert record["data"]["answer_tokens"] > 0
+    # a time budget: the run reports its split's rates (distill/split.py), training's from its own counts
+    split, training = record["split"], record["training"]
+    assert split["data_fraction"] == 0.5 and split["answer_tokens_per_s"] > 0
+    assert split["train_tokens_per_s"] == pytest.approx(training["tokens_seen"] / training["seconds"], rel=0.1)
+    assert split["answer_tokens"] >= record["data"]["answer_tokens"]  # the held-out prompts' answers too
+    assert split["train_tokens_per_answer_token"] == pytest.approx(record["data"]["tokens"] / split["answer_tokens"],
+                                                                   abs=1e-4)
     assert 0 < record["draft"]["weights_read_per_token_vs_target"] < 1
     # auto precision: both phases measured every candidate here and kept the faster; the teacher's candidates are
     # torch in each dtype and the ONNX engine at the verdict's precision (fp32 by default). Teacher probes within
@@ -156,6 +163,7 @@ def test_work_budgets_give_the_same_draft_whatever_was_cached(tiny_target, tmp_p
     assert reused.record["data"] == fresh.record["data"]
     for record in (fresh.record, reused.record):
         assert 1500 <= record["training"]["tokens_seen"] < 1500 + 256  # stops after the step that reaches it
+        assert record["split"] is None  # a work budget: --data-fraction is only a cap
     a, b = _weights(fresh.path), _weights(reused.path)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert reused.record["kept_step"] == fresh.record["kept_step"]
@@ -431,12 +439,13 @@ def test_a_work_budget_lets_training_use_the_time_the_answers_left():
     trained. With a time budget training keeps its share whatever the answers took."""
     from specpipe.distill.config import TRAIN_FLOOR, DistillConfig
 
-    work = DistillConfig(target="t", out="o", kind="eagle3", minutes=18, answer_tokens=80_000, train_tokens=900_000)
+    work = DistillConfig(target="t", out="o", kind="eagle3", minutes=18, answer_tokens=80_000, train_tokens=900_000,
+                         data_fraction=0.6)
     assert work.train_budget_s(240.0) == pytest.approx(18 * 60 - 240)  # answers took 4 of their 10.8 minutes
     assert work.train_budget_s(700.0) == pytest.approx(18 * 60 - 700)  # loading and the probe took 52 s over theirs
     assert work.train_budget_s(1070.0) == pytest.approx(TRAIN_FLOOR * 18 * 60 * 0.4)  # nothing left: the floor
     assert work.train_budget_s(700.0, trained_s=100.0) == pytest.approx(100 + 18 * 60 - 700)  # --resume
-    timed = DistillConfig(target="t", out="o", kind="eagle3", minutes=18)
+    timed = DistillConfig(target="t", out="o", kind="eagle3", minutes=18, data_fraction=0.6)
     assert timed.train_budget_s(240.0) == pytest.approx(18 * 60 * 0.4)
     assert timed.train_budget_s(900.0) == pytest.approx(18 * 60 * 0.4)
 

@@ -203,6 +203,9 @@ def test_training_defaults_follow_the_kind_and_an_explicit_value_wins():
     assert head.prompt_weight == DISTILL_KIND_DEFAULTS["eagle3"]["prompt_weight"] == 1.0  # docs/eagle3.md 3m
     assert DistillConfig(target="t", out="o", device="cpu").prompt_weight == DISTILL_KIND_DEFAULTS["model"]["prompt_weight"]
     assert DistillConfig(target="t", out="o", kind="eagle3", prompt_weight=0.0).prompt_weight == 0.0
+    # a time budget's split: heads give the answers less of it (docs/eagle3.md 3k, 3y); 0 is a value, not "unset"
+    assert (head.data_fraction, DistillConfig(target="t", out="o").data_fraction) == (0.45, 0.6)
+    assert DistillConfig(target="t", out="o", kind="eagle3", data_fraction=0.0).data_fraction == 0.0
 
 
 def test_gpu_runs_default_to_gpu_sized_batches_and_an_explicit_value_wins(monkeypatch):

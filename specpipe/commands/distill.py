@@ -110,6 +110,8 @@ def distill(as_json: bool, data, **options) -> None:
                f"{draft['weights_read_per_token_vs_target']:.3f}x the target's weights read per token")
     click.echo(f"  data: {data_info['sequences']} sequences, {data_info['answer_tokens']:,} answer tokens")
     click.echo(f"  training: {training['steps']} steps, {training['epochs']} epochs, loss {training['final_loss']}")
+    if (record.get("split") or {}).get("advice"):
+        click.echo(f"  {record['split']['advice']}")
     for choice in record["precision"].values():
         click.echo(f"  precision {PrecisionChoice(**choice).describe()} on {record['device']}")
     if record["held_out_agreement"] is not None:

@@ -18,10 +18,11 @@ VerdictQuant = Literal["none", "int8-wo", "int4-wo"]  # build's --quant modes th
 
 # Training settings whose best value differs by --kind; a DistillConfig field left unset takes its kind's value.
 # eagle3: a ~10M-weight head learns most per token with small batches and a higher rate, and from prompt positions
-# weighted as answers (docs/eagle3.md sections 2 and 3m measure both).
+# weighted as answers (docs/eagle3.md sections 2 and 3m measure both); a time budget's best split for it gave the
+# answers 0.39-0.5 of the minutes on the CPUs measured (3k, 3x, 3y: 0.6 lost 0.022 at position 1 in 3k's sweep).
 DISTILL_KIND_DEFAULTS: dict[str, dict[str, float]] = {
-    "model": {"lr": 1e-3, "batch_tokens": 4096, "prompt_weight": 0.2},
-    "eagle3": {"lr": 3e-3, "batch_tokens": 1024, "prompt_weight": 1.0},
+    "model": {"lr": 1e-3, "batch_tokens": 4096, "prompt_weight": 0.2, "data_fraction": 0.6},
+    "eagle3": {"lr": 3e-3, "batch_tokens": 1024, "prompt_weight": 1.0, "data_fraction": 0.45},
 }
 # Settings whose value differs by where the run goes (the resolved --device), over the kind's. On a GPU, 48 prompts a
 # batch and 1,024-token steps leave it mostly idle; the H200 run (docs/gpu.md) answered 256 prompts at once (4.4k
@@ -74,7 +75,10 @@ class DistillConfig(Strict):
         None, ge=1, description="work budget: train on this many tokens (the same training on any machine; default: "
         "as many as --minutes allows)"
     )
-    data_fraction: float = Field(0.6, ge=0.0, lt=1.0, description="share of --minutes for generating target answers")
+    data_fraction: Optional[float] = Field(
+        None, ge=0.0, lt=1.0, description="share of --minutes for generating target answers (the rest trains); "
+        "default by --kind: model 0.6, eagle3 0.45; a time-budget run says when its own rates called for another"
+    )
     seed: int = 0
     data: list[DistillData] = Field(
         default_factory=lambda: ["answers"], min_length=1,

@@ -42,7 +42,8 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     from specpipe.distill.acceptance import head_chain_hits_alone_and_with_lookup
     from specpipe.distill.eagle3 import head_vocab_size, load_head_weights, make_head
     from specpipe.distill.eagle3_train import HeadTrainer
-    from specpipe.distill.run import STATE_DIR, DistillResult, _eos_ids, _teacher_data, open_target, train_phase
+    from specpipe.distill.run import (STATE_DIR, DistillResult, _eos_ids, _teacher_data, open_target, split_record,
+                                      train_phase)
     from specpipe.distill.verdict import ExportedTargets
     from specpipe.export.features import check_layers, default_layers
     from specpipe.machine import describe_machine
@@ -65,8 +66,9 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
     # the verdict times them all (a temporary folder, removed at the end; if the run dies, when the process exits)
     targets = ExportedTargets(target.path, layers)
     precision: dict = {}
+    answered: dict = {}
     sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress, device, precision, feature_layers=layers,
-                              targets=targets, started=started)
+                              targets=targets, started=started, answered=answered)
     train_set, held_out = split_by_prompt(sequences)
     counts = count_tokens(train_set, model.config.vocab_size)
     vocab_ids = top_token_ids(counts, vocab_size, always=eos_ids)
@@ -109,6 +111,7 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
                      "warm_attention": cfg.starts_attention_warm,
                      "init_head": str(cfg.init_head) if cfg.init_head else None,
                      "final_loss": round(state.recent_loss, 4), "history": state.history},
+        "split": split_record(cfg, answered, train_set, state, progress),
         # Step-0 agreement with the target's greedy token on held-out prompts, of the weights kept (the best seen).
         "held_out_agreement": best[0] if best else None,
         "held_out_agreement_by_step": next((e[4] for e in state.evals if best and e[0] == best[1]), None),

@@ -121,14 +121,15 @@ def _cached_teacher(cfg: DistillConfig, root: Path, target, prompts: list[dict],
 
 def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int], progress: DistillProgress,
                   device, precision: dict, feature_layers: tuple[int, ...] = (), targets=None,
-                  started: Optional[float] = None):
+                  started: Optional[float] = None, answered: Optional[dict] = None):
     """Generate (or reuse) the target's answers and, if asked, labelled stdlib text. Returns sequences.
     Sets precision["teacher"] to the PrecisionChoice it used (its dtype: the teacher's name, teachers.Teacher).
     `feature_layers`: the answers also carry the target's residual stream after those layers (EAGLE-3 features,
     recorded in the same forward passes). `targets`: the run's exported targets (verdict.ExportedTargets), which an
     ONNX teacher answers on; made here for this call when not given. `started` (a time.perf_counter() value): when
     the run began; with a work budget the answers stop at their share of --minutes counted from it, so loading the
-    target, exporting its engines and the teacher probe come out of that share, not on top of the cap."""
+    target, exporting its engines and the teacher probe come out of that share, not on top of the cap. `answered`:
+    given a dict, it receives the answers' cache's answer tokens and generation seconds (the teacher's rate)."""
     from specpipe.checkpoint import cache_dir
     from specpipe.distill.prompts import training_prompts
     from specpipe.distill.teacher import TeacherCache, chat_ids, generate_teacher_data, label_text, stdlib_windows
@@ -192,6 +193,8 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
             progress.log(f"reusing {cache.answered} cached target answers ({cache.answer_tokens:,} tokens, "
                          f"{cache.seconds:.0f} s of generation)")
         sequences += cache.load(max_answer_tokens=budget_tokens)
+        if answered is not None:
+            answered.update(answer_tokens=cache.answer_tokens, seconds=cache.seconds)
 
     if "stdlib" in cfg.data:  # torch only (teacher_candidates)
         teacher_model = lambda: teachers.torch_model(teacher.precision)  # noqa: E731
@@ -240,6 +243,26 @@ def train_phase(cfg: DistillConfig, device, trainer, precision: dict, started: f
     return state
 
 
+def split_record(cfg: DistillConfig, answered: dict, train_set: list, state, progress: DistillProgress) -> Optional[dict]:
+    """How the run's time budget split between answers and training, measured (distill/split.py), with a line of
+    advice when its --data-fraction was off the share its rates say (for heads: the epochs it aims at were measured
+    on heads); None under a work budget (--answer-tokens or --train-tokens: the fraction is only a cap there) or with
+    more than one --data source."""
+    from specpipe.distill.split import measured_split
+
+    if cfg.answer_tokens or cfg.train_tokens or cfg.data != ["answers"]:
+        return None
+    split = measured_split(cfg.data_fraction, answered.get("answer_tokens", 0), answered.get("seconds", 0.0),
+                           sum(len(s) for s in train_set), state.tokens_seen, state.elapsed_s)
+    if split is None:
+        return None
+    advice = split.advice() if cfg.kind == "eagle3" else None
+    if advice:
+        progress.log(advice)
+    return {**split.as_dict(), "answer_tokens": answered["answer_tokens"], "answer_s": round(answered["seconds"], 1),
+            "advice": advice}
+
+
 def open_target(cfg: DistillConfig):
     """What both kinds start from: OUT checked, the device and threads set, the target resolved and loaded.
     Returns (out, device, target, tokenizer, model)."""
@@ -279,8 +302,9 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
     targets = ExportedTargets(target.path)
 
     precision: dict = {}
+    answered: dict = {}
     sequences = _teacher_data(cfg, target, model, tokenizer, eos_ids, progress, device, precision, targets=targets,
-                              started=started)
+                              started=started, answered=answered)
     held_out = [s for i, s in enumerate(sequences) if s.prompt_len and i % 20 == 19][:HELD_OUT_MAX]
     held_ids = {id(s) for s in held_out}
     train_set = [s for s in sequences if id(s) not in held_ids] or sequences
@@ -312,6 +336,7 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
         "training": {"steps": state.step, "seconds": round(state.elapsed_s, 1), "tokens_seen": state.tokens_seen,
                      "epochs": round(state.tokens_seen / max(1, sum(len(s) for s in train_set)), 2),
                      "final_loss": round(state.recent_loss, 4), "history": state.history},
+        "split": split_record(cfg, answered, train_set, state, progress),
         # Agreement with the target's greedy answers to held-out prompts, of the weights kept (the best
         # seen on those answers during training, so slightly optimistic).
         "held_out_agreement": best[0] if best else None,
