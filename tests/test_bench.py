@@ -99,6 +99,23 @@ def test_self_draft_is_always_accepted(engines, capsys):
         assert rows["K=3"]["mean_accepted_len"] == pytest.approx(9 / 3)
 
 
+def test_rounds_through_the_cli(engines, capsys):
+    """`--rounds 2`: every row runs each prompt twice, the JSON counts prompts and runs apart, and the report prints each
+    round's speedup."""
+    _, self_pair = engines
+    results = _bench(capsys, str(self_pair), "--prompts-set", "code", "-k", "1", "--max-new-tokens", "4",
+                     "--max-prompts", "2", "--no-peer", "--no-adaptive", "--warmup-prompts", "0", "--rounds", "2")
+    prompt_set = results["sets"][0]
+    rows = {row["label"]: row for row in prompt_set["rows"]}
+    assert (rows["K=1"]["prompts"], rows["K=1"]["runs"], rows["K=1"]["rounds"]) == (2, 4, 2)
+    assert rows["K=1"]["matches_target"] == 4 and len(rows["K=1"]["speedup_by_round"]) == 2
+    assert [m["round"] for m in prompt_set["per_prompt"]["K=1"]] == [0, 0, 1, 1]
+    assert results["settings"]["rounds"] == 2
+    printed = io.StringIO()
+    print_tables(results, Console(file=printed, width=200))
+    assert "speedup in each round" in printed.getvalue() and "4/4" in printed.getvalue()
+
+
 def test_each_step_is_judged_against_its_own_rounds_bandwidth():
     """The floor's bandwidth drifts (limits.py): readings alternate between two machine states, 30 and 50 GB/s, and
     the decode step follows the state it ran in, at 1.2x its floor in both. Paired, every round reads 1.2x; a
@@ -196,6 +213,7 @@ def test_bad_inputs(engines, tmp_path, capsys):
     assert "K must be >= 1" in fails(str(pair), "-k", "0..2")
     assert "-k" in fails(str(pair), "-k", "one")
     assert "K <= 8" in fails(str(pair), "-k", "9", "--no-peer")
+    assert "rounds" in fails(str(pair), "--rounds", "0", "--no-peer")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt field"}\n')
     assert "prompt" in fails(str(pair), "--prompts", str(bad))
@@ -224,3 +242,60 @@ def test_run_rows_rotates_which_row_runs_first_and_keeps_prompt_order():
     assert firsts == [("a", 0), ("b", 1), ("c", 2), ("a", 3)]
     assert calls[3:6] == [("b", 1), ("c", 1), ("a", 1)]
     assert [m.prompt_id for m in results["c"]] == ["p0", "p1", "p2", "p3"]
+
+
+def test_rounds_run_every_prompt_again_and_rotate_the_first_row():
+    """`bench --rounds 2`: the prompts run round after round, each measurement names its round, and a prompt's second
+    round starts with another row than its first (the turn counts on across rounds)."""
+    from specpipe.bench.harness import run_rows
+
+    calls = []
+
+    class FakeRow:
+        kind, k, strategy, peer = "target-only", None, "target-only", None
+
+        def __init__(self, label):
+            self.label = label
+
+        def run(self, prompt_ids, max_new_tokens):
+            calls.append((self.label, prompt_ids[0]))
+            return Measurement(prompt_id="", num_generated=1, total_ms=1.0, ttft_ms=1.0)
+
+    rows = [FakeRow("a"), FakeRow("b")]
+    results = run_rows(rows, [("p0", [0]), ("p1", [1]), ("p2", [2])], max_new_tokens=8, warmup=[], rounds=2)
+    assert [(m.prompt_id, m.round) for m in results["b"]] == [("p0", 0), ("p1", 0), ("p2", 0),
+                                                                ("p0", 1), ("p1", 1), ("p2", 1)]
+    firsts = [calls[2 * i] for i in range(6)]
+    assert firsts == [("a", 0), ("b", 1), ("a", 2), ("b", 0), ("a", 1), ("b", 2)]
+    assert len(calls) == 12
+
+
+def test_rounds_average_within_a_prompt_and_the_interval_stays_over_prompts():
+    """A prompt measured in two rounds gives one ratio, the geometric mean of its rounds' (here 1.2 and 1.8 on prompt a:
+    sqrt(2.16)); the interval is Student's t over the prompts' ratios (3 of them, not 6 runs, which would narrow it),
+    and speedup_by_round is each round's own paired speedup."""
+    import math
+
+    from specpipe.bench.harness import paired_speedup
+
+    def run(pid, rnd, tps):
+        return Measurement(pid, 30, 30 / tps * 1e3, 10.0, round=rnd, token_ids=[1] * 30)
+
+    base = [run(p, r, 10.0) for r in (0, 1) for p in "abc"]
+    spec = [run("a", 0, 12.0), run("b", 0, 15.0), run("c", 0, 14.0),
+            run("a", 1, 18.0), run("b", 1, 15.0), run("c", 1, 16.0)]
+    row = summarize("adaptive", "speculative", None, spec, base)
+    per_prompt = [math.sqrt(1.2 * 1.8), math.sqrt(1.5 * 1.5), math.sqrt(1.4 * 1.6)]
+    mean, ci = paired_speedup(per_prompt)
+    assert row["speedup"] == pytest.approx(mean) and row["speedup_ci95"] == pytest.approx(ci)
+    assert row["speedup_ci95"] != pytest.approx(paired_speedup([1.2, 1.5, 1.4, 1.8, 1.5, 1.6])[1])
+    assert row["speedup_by_round"] == pytest.approx([(1.2 * 1.5 * 1.4) ** (1 / 3), (1.8 * 1.5 * 1.6) ** (1 / 3)])
+    assert (row["prompts"], row["runs"], row["rounds"], row["matches_target"]) == (3, 6, 2, 6)
+
+    # Paired by round too: round 1's baseline slower for prompt a (a slow spell) moves only that round's ratio.
+    base[3] = run("a", 1, 9.0)
+    row = summarize("adaptive", "speculative", None, spec, base)
+    assert row["speedup_by_round"][0] == pytest.approx((1.2 * 1.5 * 1.4) ** (1 / 3))
+    assert row["speedup_by_round"][1] == pytest.approx((2.0 * 1.5 * 1.6) ** (1 / 3))
+    one_round = summarize("adaptive", "speculative", None, spec[:3], base[:3])
+    assert one_round["speedup_by_round"] is None and one_round["rounds"] == 1

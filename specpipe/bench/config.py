@@ -42,6 +42,9 @@ class BenchConfig(Strict):
     chat: bool = Field(True, description="apply the tokenizer's chat template to each prompt")
     max_prompts: Optional[int] = Field(None, ge=1, description="use only the first N prompts of each set")
     warmup_prompts: int = Field(1, ge=0, description="untimed runs per row before measuring")
+    rounds: int = Field(1, ge=1, description="passes over the prompts, each prompt through every row in each: a "
+                        "prompt's speedup is the geometric mean of its rounds', so more rounds average over more of "
+                        "the machine's spells (the report adds each round's speedup)")
 
     @field_validator("draft_lengths", "peer_draft_lengths")
     @classmethod

@@ -22,12 +22,18 @@ Conventions (see specpipe.speculative.stats for the decoder's):
   (docs/benchmarks.md). The target-only row is the target as deployed without a draft: unpadded. A target that
   pads its 1-token steps to 2 rows so they score like verify rows (engines/onnxruntime.py `min_rows`) runs ~5-10%
   slower alone; that padded run is its own row (PADDED_BASELINE), the reference for matches_target.
-- matches_target: prompts whose token ids equal the target alone's on the same engine session (the padded row when
+- matches_target: runs whose token ids equal the target alone's on the same engine session (the padded row when
   there is one; greedy must give all of them).
+- rounds (`bench --rounds R`): every prompt runs through every row R times, round after round, so a row's runs span R
+  times the minutes and the machine's spells (this VM's fp32 speedup read 1.83x and 2.06x in two one-round benches of
+  the same decoding two minutes apart, docs/eagle3.md 3y). A prompt's ratio is then the geometric mean of its rounds'
+  (its rounds are one prompt measured again, not more prompts: the interval stays one over prompts), and
+  speedup_by_round gives each round's own speedup, the spread between spells.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Protocol
@@ -59,6 +65,7 @@ class Measurement:
     copied_drafted: int = 0  # drafted tokens prompt lookup copied where the head was unsure (SpecStats.copied_*)
     copied_accepted: int = 0
     call_s: dict[int, list[float]] = field(default_factory=dict, repr=False)  # SpecStats.call_s: decoding's target calls
+    round: int = 0  # which pass over the prompts (run_rows' rounds)
 
     @property
     def tokens_per_s(self) -> float:
@@ -138,7 +145,9 @@ def summarize(label: str, kind: str, k: Optional[int], runs: list[Measurement], 
         "label": label,
         "kind": kind,
         "k": k,
-        "prompts": len(runs),
+        "prompts": sum(m.round == 0 for m in runs),
+        "runs": len(runs),
+        "rounds": 1 + max((m.round for m in runs), default=0),
         "tokens_generated": sum(m.num_generated for m in runs),
         "tokens_per_s": statistics.median(tps) if tps else 0.0,
         "ttft_ms": statistics.median(m.ttft_ms for m in runs) if runs else 0.0,
@@ -155,6 +164,7 @@ def summarize(label: str, kind: str, k: Optional[int], runs: list[Measurement], 
         "speedup_ci95": None,
         "speedup_of_medians": None,
         "speedup_per_prompt_median": None,
+        "speedup_by_round": None,
         "matches_target": None,
     }
     if baseline:
@@ -163,19 +173,28 @@ def summarize(label: str, kind: str, k: Optional[int], runs: list[Measurement], 
         ratios = prompt_ratios(runs, baseline)
         row["speedup_per_prompt_median"] = statistics.median(ratios) if ratios else None
         row["speedup"], row["speedup_ci95"] = paired_speedup(ratios)
+        if row["rounds"] > 1:
+            row["speedup_by_round"] = [paired_speedup(prompt_ratios([m for m in runs if m.round == r], baseline))[0]
+                                       for r in range(row["rounds"])]
         row["matches_target"] = sum(m.token_ids == b.token_ids for m, b in zip(runs, reference or baseline) if m.token_ids)
     return row
 
 
 def prompt_ratios(runs: list[Measurement], baseline: list[Measurement]) -> list[float]:
-    """Each prompt's tokens/s in `runs` over its own in `baseline` (paired by prompt id where both carry one, else by
-    position: run_rows keeps one prompt order for every row); prompts either side could not time are left out."""
+    """Each prompt's tokens/s in `runs` over its own in `baseline`, paired by prompt id and round where both carry ids
+    (else by position: run_rows keeps one prompt order for every row); prompts either side could not time are left
+    out. A prompt run in several rounds gives one ratio, the geometric mean of its rounds' (in the order prompts
+    first appear in `runs`)."""
     if all(m.prompt_id for m in [*runs, *baseline]):
-        by_id = {b.prompt_id: b for b in baseline}
-        pairs = [(m, by_id[m.prompt_id]) for m in runs if m.prompt_id in by_id]
+        by_key = {(b.prompt_id, b.round): b for b in baseline}
+        pairs = [(m.prompt_id, m, by_key[(m.prompt_id, m.round)]) for m in runs if (m.prompt_id, m.round) in by_key]
     else:
-        pairs = list(zip(runs, baseline))
-    return [m.tokens_per_s / b.tokens_per_s for m, b in pairs if m.tokens_per_s > 0 and b.tokens_per_s > 0]
+        pairs = [(index, m, b) for index, (m, b) in enumerate(zip(runs, baseline))]
+    logs: dict = {}
+    for key, m, b in pairs:
+        if m.tokens_per_s > 0 and b.tokens_per_s > 0:
+            logs.setdefault(key, []).append(math.log(m.tokens_per_s / b.tokens_per_s))
+    return [math.exp(sum(values) / len(values)) for values in logs.values()]
 
 
 def paired_speedup(ratios: list[float], confidence: float = 0.95) -> tuple[Optional[float], Optional[list[float]]]:
@@ -219,22 +238,27 @@ def _share(runs: list[Measurement]) -> Optional[float]:
 
 
 def run_rows(rows: list[Row], prompts: list[tuple[str, list[int]]], *, max_new_tokens: int, warmup: list[list[int]],
-             on_run: Callable[[str, str], None] = lambda label, prompt_id: None) -> dict[str, list[Measurement]]:
-    """Warm every row up, then run every prompt through every row. Returns measurements by row label, in prompt order.
-    Prompt i starts with row i mod len(rows) (the order rotates): a row that leaves the machine busy or its caches
-    cold (a peer whose threads still spin) weighs on each of the others alike, not always on the one after it."""
+             on_run: Callable[[str, str], None] = lambda label, prompt_id: None,
+             rounds: int = 1) -> dict[str, list[Measurement]]:
+    """Warm every row up, then run every prompt through every row, `rounds` times over (round after round). Returns
+    measurements by row label, in (round, prompt) order. Each turn (a prompt in a round) starts with the next row in
+    turn: a row that leaves the machine busy or its caches cold (a peer whose threads still spin) weighs on each of
+    the others alike, not always on the one after it, and a prompt's rounds do not start with the same row."""
     for row in rows:
         for prompt_ids in warmup:
             row.run(prompt_ids, min(max_new_tokens, 32))
             on_run(row.label, "warm-up")
     results: dict[str, list[Measurement]] = {row.label: [] for row in rows}
-    for index, (prompt_id, prompt_ids) in enumerate(prompts):
-        first = index % len(rows) if rows else 0
-        for row in rows[first:] + rows[:first]:
-            measurement = row.run(prompt_ids, max_new_tokens)
-            measurement.prompt_id = prompt_id
-            results[row.label].append(measurement)
-            on_run(row.label, prompt_id)
+    turn = 0
+    for round_ in range(rounds):
+        for prompt_id, prompt_ids in prompts:
+            first = turn % len(rows) if rows else 0
+            turn += 1
+            for row in rows[first:] + rows[:first]:
+                measurement = row.run(prompt_ids, max_new_tokens)
+                measurement.prompt_id, measurement.round = prompt_id, round_
+                results[row.label].append(measurement)
+                on_run(row.label, prompt_id)
     return results
 
 

@@ -46,7 +46,7 @@ def print_tables(results: dict, console=None) -> None:
             label = escape(row["label"].removeprefix(f"{peer} ") if peer else row["label"])
             label = f" {label}" if named else label
             speedup = row.get("own_speedup") if peer else row["speedup"]
-            matches = "-" if row["matches_target"] is None else f"{row['matches_target']}/{row['prompts']}"
+            matches = "-" if row["matches_target"] is None else f"{row['matches_target']}/{row.get('runs', row['prompts'])}"
             table.add_row(
                 f"[bold]{label}[/]" if best else label,
                 _fmt(row["tokens_per_s"], ".1f"),
@@ -65,10 +65,15 @@ def print_tables(results: dict, console=None) -> None:
         if any(ci for _, ci in spread):
             console.print("speedup: each prompt against its own target-only run, geometric mean; 95% interval over these "
                           "prompts: " + ", ".join(f"{escape(label)} {ci[0]:.2f}-{ci[1]:.2f}x" for label, ci in spread if ci))
+        by_round = [(row["label"], row["speedup_by_round"]) for row in s["rows"]
+                    if row.get("speedup_by_round") and row.get("peer") is None]
+        if by_round:
+            console.print("speedup in each round (the machine's spells between rounds): " + "; ".join(
+                f"{escape(label)} " + " / ".join(_fmt(x, ".2f") for x in rounds) for label, rounds in by_round))
         for row in s["rows"]:
             if row.get("mismatches"):
                 where = ", ".join(f"{m['prompt_id']} at token {m['first_difference_at']}" for m in row["mismatches"][:4])
-                console.print(f"[red]MISMATCH[/] {escape(row['label'])}: {len(row['mismatches'])}/{row['prompts']} prompts "
+                console.print(f"[red]MISMATCH[/] {escape(row['label'])}: {len(row['mismatches'])}/{row.get('runs', row['prompts'])} runs "
                               f"differ from {escape(row['peer'])} target-only ({escape(where)})")
         copied = [row for row in s["rows"] if row.get("copied_share")]
         if copied:

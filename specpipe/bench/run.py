@@ -56,7 +56,7 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
     peer_notes += accuracy_notes
 
     encoded = [(s.name, [(p.id, generator.encode(p.prompt, chat=cfg.chat)) for p in s.prompts]) for s in prompt_sets]
-    total = sum(len(rows) * len(prompts) for _, prompts in encoded) + len(rows) * cfg.warmup_prompts
+    total = sum(len(rows) * len(prompts) * cfg.rounds for _, prompts in encoded) + len(rows) * cfg.warmup_prompts
     done = 0
 
     def on_run(label: str, prompt_id: str) -> None:
@@ -70,7 +70,7 @@ def run_bench(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
     sets = []
     for index, (name, prompts) in enumerate(encoded):
         results = run_rows(rows, prompts, max_new_tokens=cfg.max_new_tokens, warmup=warmup if index == 0 else [],
-                           on_run=on_run)
+                           on_run=on_run, rounds=cfg.rounds)
         table = _table(rows, results, precision)
         baseline = results[BASELINE]
         sets.append({

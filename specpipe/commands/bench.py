@@ -49,16 +49,19 @@ def parse_draft_lengths(text: str, option: str = "-k") -> list[int]:
 @click.option("--max-prompts", type=int, default=None, help=field_help(BenchConfig, "max_prompts"))
 @click.option("--warmup-prompts", type=int, default=field_default(BenchConfig, "warmup_prompts"), show_default=True,
               help=field_help(BenchConfig, "warmup_prompts"))
+@click.option("--rounds", type=int, default=field_default(BenchConfig, "rounds"), show_default=True,
+              help=field_help(BenchConfig, "rounds"))
 @click.option("--no-chat", is_flag=True, help="Send prompts as plain text, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help="Also write the JSON results to this file.")
 @click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write a PNG: speedup and acceptance vs K, tokens/s per engine.")
 def bench(engine_dir, prompt_files, prompt_sets, draft_lengths, no_adaptive, head, peer_names, peer_draft_lengths, no_peer,
-          max_new_tokens, threads, max_prompts, warmup_prompts, no_chat, as_json, json_out, plot) -> None:
+          max_new_tokens, threads, max_prompts, warmup_prompts, rounds, no_chat, as_json, json_out, plot) -> None:
     """Benchmark ENGINE_DIR (engines/NAME): target-only, speculative K=1..8 and adaptive, and the peers (other
     engines on the same pair), on the same prompts in one run; tokens/s, TTFT, acceptance, speedup."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     from specpipe.bench import run_bench
     from specpipe.bench.peers import parse_peers
@@ -70,10 +73,10 @@ def bench(engine_dir, prompt_files, prompt_sets, draft_lengths, no_adaptive, hea
                       peers=[] if no_peer else parse_peers(peer_names),
                       peer_draft_lengths=parse_draft_lengths(peer_draft_lengths, "--peer-k") if peer_draft_lengths else None,
                       max_new_tokens=max_new_tokens, threads=threads, chat=not no_chat, max_prompts=max_prompts,
-                      warmup_prompts=warmup_prompts)
+                      warmup_prompts=warmup_prompts, rounds=rounds)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.description}"), console=console, transient=True) as bar:
+                  TimeRemainingColumn(), TextColumn("{task.description}"), console=console, transient=True) as bar:
         task = bar.add_task("loading", total=None)
         results = run_bench(cfg, progress=lambda what, done, total: bar.update(task, description=what, completed=done,
                                                                                total=total))
