@@ -219,24 +219,29 @@ def test_bad_inputs(engines, tmp_path, capsys):
     assert "prompt" in fails(str(pair), "--prompts", str(bad))
 
 
+class _RecordingRow:
+    """A bench row that records (its label, the prompt's first id) for each run and times nothing."""
+    kind, k, strategy, peer = "target-only", None, "target-only", None
+
+    def __init__(self, label, calls):
+        self.label, self.calls = label, calls
+
+    def run(self, prompt_ids, max_new_tokens):
+        self.calls.append((self.label, prompt_ids[0]))
+        return Measurement(prompt_id="", num_generated=1, total_ms=1.0, ttft_ms=1.0)
+
+
+def _recording_rows(labels, calls):
+    return [_RecordingRow(label, calls) for label in labels]
+
+
 def test_run_rows_rotates_which_row_runs_first_and_keeps_prompt_order():
     """Prompt i starts with row i mod n, so no row always runs right after the same neighbour (bench/harness.py
     run_rows); each row's measurements stay in prompt order."""
     from specpipe.bench.harness import run_rows
 
     calls = []
-
-    class FakeRow:
-        kind, k, strategy, peer = "target-only", None, "target-only", None
-
-        def __init__(self, label):
-            self.label = label
-
-        def run(self, prompt_ids, max_new_tokens):
-            calls.append((self.label, prompt_ids[0]))
-            return Measurement(prompt_id="", num_generated=1, total_ms=1.0, ttft_ms=1.0)
-
-    rows = [FakeRow("a"), FakeRow("b"), FakeRow("c")]
+    rows = _recording_rows("abc", calls)
     results = run_rows(rows, [(f"p{i}", [i]) for i in range(4)], max_new_tokens=8, warmup=[])
     firsts = [calls[3 * i] for i in range(4)]
     assert firsts == [("a", 0), ("b", 1), ("c", 2), ("a", 3)]
@@ -250,18 +255,7 @@ def test_rounds_run_every_prompt_again_and_rotate_the_first_row():
     from specpipe.bench.harness import run_rows
 
     calls = []
-
-    class FakeRow:
-        kind, k, strategy, peer = "target-only", None, "target-only", None
-
-        def __init__(self, label):
-            self.label = label
-
-        def run(self, prompt_ids, max_new_tokens):
-            calls.append((self.label, prompt_ids[0]))
-            return Measurement(prompt_id="", num_generated=1, total_ms=1.0, ttft_ms=1.0)
-
-    rows = [FakeRow("a"), FakeRow("b")]
+    rows = _recording_rows("ab", calls)
     results = run_rows(rows, [("p0", [0]), ("p1", [1]), ("p2", [2])], max_new_tokens=8, warmup=[], rounds=2)
     assert [(m.prompt_id, m.round) for m in results["b"]] == [("p0", 0), ("p1", 0), ("p2", 0),
                                                                 ("p0", 1), ("p1", 1), ("p2", 1)]
