@@ -517,3 +517,70 @@ def test_no_verdict_times_no_engine_and_says_so(tiny_target, tmp_path, cache, mo
     assert v["predicted_speedup"] is None and v["cannot_predict"] == NOT_TIMED and 0.0 <= v["agreement"] <= 1.0
     assert "not timed here" in verdict_line(v) and "build measures it" in verdict_line(v)
     assert (result.path / "config.json").is_file() and (result.path / "distill.json").is_file()
+
+
+def test_a_torch_teachers_rows_are_its_fastest_by_the_gain_rule():
+    """choose_answer_rows (distill/teachers.py): going up from the fewest rows, more replace fewer only at ROWS_GAIN
+    their measured tokens/s; the rates come from the measurement, every candidate timed once per round. A chooser
+    that takes the plain fastest picks 144 in the first case, one that guesses (always the most, always the fewest)
+    fails another."""
+    from specpipe.distill.teachers import ROWS_GAIN, choose_answer_rows
+
+    cpu = torch.device("cpu")
+    cases = (({48: 375.0, 96: 475.0, 144: 490.0}, "96"), ({48: 375.0, 96: 360.0, 144: 500.0}, "144"),
+             ({48: 500.0, 96: 400.0, 144: 300.0}, "48"), ({48: 100.0, 96: 100.0 * ROWS_GAIN, 144: 1.0}, "96"))
+    for rates, chosen in cases:
+        made = []
+
+        def make_call(rows):
+            made.append(rows)
+            return lambda: rows
+
+        def measure(calls, device):
+            assert set(calls) == {f"{r} rows" for r in rates} and device == cpu
+            return {name: rates[int(name.split()[0])] for name in calls}
+
+        choice = choose_answer_rows([144, 48, 96], cpu, make_call, measure=measure)
+        assert (choice.phase, choice.dtype) == ("teacher rows", chosen)
+        assert choice.tokens_per_s == {f"{r} rows": rate for r, rate in rates.items()} and sorted(made) == [48, 96, 144]
+    one = choose_answer_rows([8], cpu, lambda rows: pytest.fail("one candidate is not measured"))
+    assert (one.dtype, one.tokens_per_s) == ("8", {})
+    warmed = []
+    choose_answer_rows([2, 4], cpu, lambda rows: (lambda: warmed.append(rows) or rows),
+                       measure=lambda calls, device: {name: 1.0 for name in calls}, warm=False)
+    assert warmed == [2], "an unwarmed teacher answers once at the fewest rows before the measurement"
+
+
+def test_rows_default_by_device_and_answer_batch_fixes_them():
+    from specpipe.distill.config import ANSWER_BATCH_CANDIDATES
+
+    cpu = DistillConfig(target="t", out="o", kind="eagle3", device="cpu")
+    assert cpu.answer_batches == ANSWER_BATCH_CANDIDATES["cpu"] and cpu.answer_batch == cpu.answer_batches[0]
+    fixed = DistillConfig(target="t", out="o", kind="eagle3", device="cpu", answer_batch=20)
+    assert (fixed.answer_batch, fixed.answer_batches) == (20, [20])
+    gpu = DistillConfig(target="t", out="o", kind="eagle3", device="cuda")
+    assert gpu.answer_batches == [gpu.answer_batch]
+    with pytest.raises(ValueError):
+        DistillConfig(target="t", out="o", device="cpu", answer_batches=[])
+
+
+def test_the_rows_measured_answer_the_run_and_a_second_run_reuses_them(tiny_target, cache, tmp_path, monkeypatch):
+    """A torch teacher with two candidate rows: the run measures both, answers at the rule's choice (recorded in
+    the draft's record and in the teacher cache's key), and a run with the same settings finds that cache without
+    measuring again, whichever rows it holds."""
+    from specpipe.distill import distill, teachers
+    from specpipe.distill.teacher import META
+
+    settings = dict(teacher_engine="torch", teacher_dtype="float32", answer_batches=[2, 4])
+    first = distill(_tiny_cfg(tiny_target, tmp_path / "a", **settings)).record
+    choice = first["precision"]["teacher rows"]
+    assert set(choice["tokens_per_s"]) == {"2 rows", "4 rows"}
+    rates = choice["tokens_per_s"]
+    expected = "4" if rates["4 rows"] >= teachers.ROWS_GAIN * rates["2 rows"] else "2"
+    assert choice["dtype"] == expected and first["data"]["answer_batch"] == int(expected)
+    keys = [json.loads(p.read_text())["key"] for p in (cache / "distill-data").glob(f"*/{META}")]
+    assert [k["batch"] for k in keys if k.get("source") == "answers"] == [int(expected)]
+
+    monkeypatch.setattr(teachers, "choose_answer_rows", lambda *a, **k: pytest.fail("the cached rows are measured again"))
+    second = distill(_tiny_cfg(tiny_target, tmp_path / "b", **settings)).record
+    assert "teacher rows" not in second["precision"] and second["data"]["answer_batch"] == int(expected)

@@ -104,7 +104,8 @@ def distill_eagle3(cfg: DistillConfig, progress: DistillProgress):
                   "weights_read_per_token_vs_target": round(parameters / sum(p.numel() for p in model.parameters()), 4)},
         "data": {"sequences": len(train_set), "held_out": len(held_out), "held_out_prompts": "split by prompt",
                  "tokens": sum(len(s) for s in train_set),
-                 "answer_tokens": sum(len(s) - s.prompt_len for s in train_set if s.prompt_len)},
+                 "answer_tokens": sum(len(s) - s.prompt_len for s in train_set if s.prompt_len),
+                 "answer_batch": answered.get("rows")},  # prompts the teacher answered at once
         "training": {"steps": state.step, "seconds": round(state.elapsed_s, 1), "tokens_seen": state.tokens_seen,
                      "epochs": round(state.tokens_seen / max(1, sum(len(s) for s in train_set)), 2),
                      "ttt_steps": cfg.ttt_steps, "ttt_decay": cfg.ttt_decay, "warm_start": cfg.warm_start,

@@ -58,14 +58,15 @@ def _nearest_existing_parent(path: Path) -> Path:
 
 
 def _teacher_cache_key(cfg: DistillConfig, target, prompts: list[dict], source: str, teacher, device,
-                       feature_layers: tuple[int, ...] = ()) -> dict:
-    """teacher: a teachers.Teacher (torch in a dtype, or the ONNX engine at a precision)."""
+                       feature_layers: tuple[int, ...] = (), rows: Optional[int] = None) -> dict:
+    """teacher: a teachers.Teacher (torch in a dtype, or the ONNX engine at a precision); rows: the prompts it answers
+    at once (cfg.answer_batch when None): the batches' padding and sampling make them part of the data."""
     import hashlib
 
     prompts_hash = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
     key = {"format": 1, "source": source, "target_weights": target.weights_sha256, "prompts": prompts_hash,
            "max_answer_tokens": cfg.max_answer_tokens, "top_k": cfg.teacher_top_k, **teacher.cache_key(),
-           "sample_temperature": cfg.sample_temperature, "batch": cfg.answer_batch, "seed": cfg.seed}
+           "sample_temperature": cfg.sample_temperature, "batch": rows or cfg.answer_batch, "seed": cfg.seed}
     if device.type != "cpu":  # kernels differ by device; CPU keys stay as they were (caches remain valid)
         key["device"] = device.type
     if feature_layers:  # answers with EAGLE-3 features are a cache of their own; plain caches keep their keys
@@ -94,28 +95,35 @@ def _answers_complete(cache, cfg: DistillConfig, budget_s: float) -> bool:
     return cache.answer_tokens >= cfg.answer_tokens if cfg.answer_tokens else cache.seconds >= budget_s
 
 
+def _answer_rows(cfg: DistillConfig, teacher) -> list[int]:
+    """The rows `teacher` may answer at once: a torch teacher's candidates (cfg.answer_batches), the ONNX teacher's KV
+    batch (cfg.answer_batch)."""
+    return list(cfg.answer_batches or [cfg.answer_batch]) if teacher.engine == "torch" else [cfg.answer_batch]
+
+
 def _cached_teacher(cfg: DistillConfig, root: Path, target, prompts: list[dict], device, feature_layers: tuple[int, ...],
                     budget_s: float, candidates: list):
-    """With more than one candidate teacher (--teacher-engine or --teacher-dtype auto): the candidate whose teacher
-    data is already cached whole for these settings, or None. Measuring again could pick another candidate where two
-    run about as fast (seen with AVX512-BF16), and the cache, keyed by the teacher, would then be made again
-    (minutes of target answers)."""
+    """With more than one candidate teacher (--teacher-engine or --teacher-dtype auto) or rows: (the candidate, its
+    rows) whose teacher data is already cached whole for these settings, or None. Measuring again could pick another
+    candidate where two run about as fast (seen with AVX512-BF16), and the cache, keyed by the teacher and its rows,
+    would then be made again (minutes of target answers)."""
     from specpipe.distill.precision import PrecisionChoice
     from specpipe.distill.teacher import TeacherCache
 
-    if len(candidates) < 2:
+    if len(candidates) < 2 and not any(len(_answer_rows(cfg, t)) > 1 for t in candidates):
         return None
     for teacher in candidates:
-        complete = True
-        if "answers" in cfg.data:
-            cache = TeacherCache.existing(root, _teacher_cache_key(cfg, target, prompts, "answers", teacher, device,
-                                                                   feature_layers))
-            complete = cache is not None and _answers_complete(cache, cfg, budget_s)
-        if complete and "stdlib" in cfg.data:
-            cache = TeacherCache.existing(root, _teacher_cache_key(cfg, target, [], "stdlib", teacher, device))
-            complete = cache is not None and cache.seconds >= budget_s
-        if complete:
-            return PrecisionChoice("teacher", teacher.name, {})
+        for rows in _answer_rows(cfg, teacher):
+            complete = True
+            if "answers" in cfg.data:
+                cache = TeacherCache.existing(root, _teacher_cache_key(cfg, target, prompts, "answers", teacher, device,
+                                                                       feature_layers, rows))
+                complete = cache is not None and _answers_complete(cache, cfg, budget_s)
+            if complete and "stdlib" in cfg.data:
+                cache = TeacherCache.existing(root, _teacher_cache_key(cfg, target, [], "stdlib", teacher, device))
+                complete = cache is not None and cache.seconds >= budget_s
+            if complete:
+                return PrecisionChoice("teacher", teacher.name, {}), rows
     return None
 
 
@@ -133,7 +141,8 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
     from specpipe.checkpoint import cache_dir
     from specpipe.distill.prompts import training_prompts
     from specpipe.distill.teacher import TeacherCache, chat_ids, generate_teacher_data, label_text, stdlib_windows
-    from specpipe.distill.teachers import PROBE_ROWS, Teacher, Teachers, choose_teacher, teacher_candidates
+    from specpipe.distill.teachers import (PROBE_ROWS, Teacher, Teachers, choose_answer_rows, choose_teacher,
+                                           teacher_candidates)
     from specpipe.distill.verdict import ExportedTargets
 
     budget_s = cfg.minutes * 60 * cfg.data_fraction / len(cfg.data)
@@ -145,10 +154,11 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
                         top_k=cfg.teacher_top_k, feature_layers=feature_layers)
     prompts = (_read_prompts(cfg.prompts) if cfg.prompts else []) + training_prompts(cfg.seed)
     candidates = teacher_candidates(cfg.teacher_engine, cfg.teacher_dtype, device, cfg.verdict_quant, cfg.data)
-    choice = _cached_teacher(cfg, root, target, prompts, device, feature_layers, budget_s, candidates)
-    if choice is not None:
-        progress.log(f"precision teacher: {choice.dtype} (the teacher data cached whole for these settings was made "
-                     "by it; not measured again)")
+    cached = _cached_teacher(cfg, root, target, prompts, device, feature_layers, budget_s, candidates)
+    if cached is not None:
+        choice, rows = cached
+        progress.log(f"precision teacher: {choice.dtype}, {rows} prompts at once (the teacher data cached whole for "
+                     "these settings was made by it; not measured again)")
     else:
         probe_ids = [tokenizer(p["prompt"])["input_ids"] for p in prompts[:PROBE_ROWS]]
         batch_ids = chat_ids(tokenizer, prompts[: cfg.answer_batch]) if "answers" in cfg.data else None
@@ -157,10 +167,20 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
         progress.log(f"precision {choice.describe()}")
     precision["teacher"] = choice
     teacher = Teacher.parse(choice.dtype)
+    if cached is None:
+        rows = cfg.answer_batch
+        candidate_rows = _answer_rows(cfg, teacher)
+        if "answers" in cfg.data and len(candidate_rows) > 1:
+            rows_ids = chat_ids(tokenizer, prompts[: max(candidate_rows)])
+            rows_choice = choose_answer_rows(candidate_rows, device, lambda r: teachers.rows_call(teacher, rows_ids[:r]),
+                                             warm=bool(choice.tokens_per_s))
+            precision["teacher rows"] = rows_choice
+            rows = int(rows_choice.dtype)
+            progress.log(f"precision {rows_choice.describe()}")
 
     if "answers" in cfg.data:
         cache = TeacherCache.for_settings(root, _teacher_cache_key(cfg, target, prompts, "answers", teacher, device,
-                                                                   feature_layers))
+                                                                   feature_layers, rows))
         budget_tokens = cfg.answer_tokens
         if not _answers_complete(cache, cfg, budget_s):
             # With a work budget the bar counts answer tokens, so its ETA comes from the measured rate.
@@ -182,7 +202,7 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
                 answer_s = max(MIN_ANSWER_S, started + budget_s - time.perf_counter())
             generate_teacher_data(
                 teachers.answerer(teacher), tokenizer, cache, prompts, budget_s=answer_s, budget_tokens=budget_tokens,
-                batch_size=cfg.answer_batch, max_new_tokens=cfg.max_answer_tokens, eos_token_ids=eos_ids,
+                batch_size=rows, max_new_tokens=cfg.max_answer_tokens, eos_token_ids=eos_ids,
                 top_k=cfg.teacher_top_k, sample_temperature=cfg.sample_temperature, seed=cfg.seed, on_batch=on_batch,
                 feature_layers=feature_layers,
             )
@@ -194,7 +214,7 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
                          f"{cache.seconds:.0f} s of generation)")
         sequences += cache.load(max_answer_tokens=budget_tokens)
         if answered is not None:
-            answered.update(answer_tokens=cache.answer_tokens, seconds=cache.seconds)
+            answered.update(answer_tokens=cache.answer_tokens, seconds=cache.seconds, rows=rows)
 
     if "stdlib" in cfg.data:  # torch only (teacher_candidates)
         teacher_model = lambda: teachers.torch_model(teacher.precision)  # noqa: E731
@@ -332,6 +352,7 @@ def distill_model(cfg: DistillConfig, progress: Optional[DistillProgress] = None
         "data": {"sequences": len(train_set), "held_out": len(held_out),
                  "tokens": sum(len(s) for s in train_set),
                  "answer_tokens": sum(len(s) - s.prompt_len for s in train_set if s.prompt_len),
+                 "answer_batch": answered.get("rows"),  # prompts the teacher answered at once
                  "kinds": sorted({s.kind for s in sequences})},
         "training": {"steps": state.step, "seconds": round(state.elapsed_s, 1), "tokens_seen": state.tokens_seen,
                      "epochs": round(state.tokens_seen / max(1, sum(len(s) for s in train_set)), 2),

@@ -29,6 +29,13 @@ PROBE_NEW_TOKENS = 8
 # tokens/s) where whole 48-row batches answered 1.25x faster in fp32 (docs/eagle3.md 3o).
 RUNOFF_WITHIN = 0.8
 RUNOFF_NEW_TOKENS = 16
+# The rows a torch teacher answers at once (`choose_answer_rows`): each candidate answers that many of the run's first
+# prompts, whole, with ROWS_NEW_TOKENS tokens each. On an Intel with AMX (torch bf16, 2 cores) 32-token answers ranked
+# 48 / 96 / 144 rows as 160-token ones did (399 / 497 / 540 against 375 / 475 / 515 answer tokens/s; docs/eagle3.md
+# 3za). More rows are kept only for at least ROWS_GAIN the tokens/s of fewer: they hold more memory and a time cap cuts
+# a larger batch.
+ROWS_NEW_TOKENS = 32
+ROWS_GAIN = 1.05
 QUANT_NAMES = {"none": "fp32"}  # a build --quant mode as a teacher's name says it
 
 
@@ -146,6 +153,12 @@ class Teachers:
         RUNOFF_NEW_TOKENS greedy tokens each, features included when the run keeps them: returns the answer tokens."""
         return self._answering(teacher, [list(ids) for ids in prompt_ids[: self.batch_rows]], RUNOFF_NEW_TOKENS)
 
+    def rows_call(self, teacher: Teacher, prompt_ids: list[list[int]]) -> Callable[[], int]:
+        """A call answering `prompt_ids` (chat-formatted: the run's first prompts, as many as the rows measured) with
+        ROWS_NEW_TOKENS greedy tokens each, features included when the run keeps them: returns the answer tokens. A
+        torch teacher's rows are its call's (the ONNX teacher's KV batch has batch_rows)."""
+        return self._answering(teacher, [list(ids) for ids in prompt_ids], ROWS_NEW_TOKENS)
+
     def _answering(self, teacher: Teacher, rows: list[list[int]], new_tokens: int) -> Callable[[], int]:
         answer = self.answerer(teacher)
 
@@ -188,3 +201,28 @@ def choose_teacher(names: Sequence[Teacher], device, make_call: Callable[[Teache
     rates = runoff_measure({name: make_runoff(by_name[name]) for name in close}, device)
     return PrecisionChoice("teacher", max(rates, key=rates.get),
                            {**probed.tokens_per_s, **{f"{name} (run-off)": rate for name, rate in rates.items()}})
+
+
+def choose_answer_rows(candidates: Sequence[int], device, make_call: Callable[[int], Callable[[], int]],
+                       measure: Optional[Callable[..., dict]] = None, warm: bool = True):
+    """How many prompts a torch teacher answers at once: each of `candidates` (rows) timed by `make_call(rows)`
+    (Teachers.rows_call), interleaved (precision.compare; the run-off warmed the teacher), as a PrecisionChoice of phase
+    "teacher rows" whose dtype is the rows chosen ("144") and whose rates are named "48 rows", .... Going up from the
+    fewest, more rows replace fewer only at ROWS_GAIN their tokens/s or more. One candidate is not measured. `warm`
+    False (no probe ran the teacher): the fewest rows answer once, untimed, first.
+    Example: 48 / 96 / 144 rows at 375 / 475 / 490 tokens/s: 96 (490 < 1.05 x 475)."""
+    from specpipe.distill.precision import PrecisionChoice, compare
+
+    rows = sorted(dict.fromkeys(int(r) for r in candidates))
+    if len(rows) < 2:
+        return PrecisionChoice("teacher rows", str(rows[0]), {})
+    measure = measure or functools.partial(compare, warm_up=False)
+    calls = {f"{r} rows": make_call(r) for r in rows}
+    if not warm:
+        calls[f"{rows[0]} rows"]()
+    rates = measure(calls, device)
+    best = rows[0]
+    for r in rows[1:]:
+        if rates[f"{r} rows"] >= ROWS_GAIN * rates[f"{best} rows"]:
+            best = r
+    return PrecisionChoice("teacher rows", str(best), rates)
