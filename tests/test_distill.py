@@ -562,6 +562,9 @@ def test_rows_default_by_device_and_answer_batch_fixes_them():
     assert gpu.answer_batches == [gpu.answer_batch]
     with pytest.raises(ValueError):
         DistillConfig(target="t", out="o", device="cpu", answer_batches=[])
+    with pytest.raises(ValueError) as bad:  # the error names the field given, not the candidates made from it
+        DistillConfig(target="t", out="o", kind="eagle3", device="cpu", answer_batch=0)
+    assert "answer_batch" in str(bad.value) and "answer_batches" not in str(bad.value)
 
 
 def test_the_rows_measured_answer_the_run_and_a_second_run_reuses_them(tiny_target, cache, tmp_path, monkeypatch):

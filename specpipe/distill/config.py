@@ -169,7 +169,8 @@ class DistillConfig(Strict):
             if values.get("answer_batches") is None:  # a given --answer-batch is the only candidate
                 given = values.get("answer_batch")
                 rows = [given] if given is not None else ANSWER_BATCH_CANDIDATES.get(device) or [unset["answer_batch"]]
-                unset["answer_batches"] = rows
+                if all(isinstance(r, int) and r >= 1 for r in rows):  # else answer_batch's own error names the flag
+                    unset["answer_batches"] = rows
                 unset["answer_batch"] = given if given is not None else rows[0]
             values = {**values, **unset}
         return values
