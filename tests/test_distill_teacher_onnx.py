@@ -4,6 +4,7 @@ cached apart from the torch teacher's data, exported once per run for the teache
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -352,3 +353,49 @@ def test_distill_with_the_onnx_teacher_exports_each_precision_once(eight_layer_t
     assert record["data"]["answer_tokens"] > 0 and record["training"]["tokens_seen"] >= 1000
     assert set(record["verdict"]["by_target_quant"]) == {"none", "int8-wo"}
     assert sorted(exports) == ["int8-wo", "none"]  # the teacher's engines are the verdict's: none exported twice
+
+
+def test_the_onnx_teachers_rows_each_answer_from_a_batch_of_that_many(model, targets, prompts):
+    """Teachers.rows_call: the ONNX teacher answers N prompts from a KV batch of N rows (one per row count asked
+    for), the answers are those of the run's own batch, and keep_rows leaves only the chosen count's batch."""
+    from specpipe.distill.teacher import answer_prompts_onnx
+    from specpipe.distill.teachers import ROWS_NEW_TOKENS, Teacher, Teachers
+
+    teacher = Teacher("onnx", "none")
+    teachers = Teachers(model, torch.device("cpu"), targets=targets, batch_rows=2, top_k=TOP_K, feature_layers=LAYERS)
+    try:
+        for n in (2, 3, 5):
+            assert teachers.rows_call(teacher, prompts[:n])() == n * ROWS_NEW_TOKENS
+            assert teachers.onnx_batch("none", n).max_rows == n and not teachers.onnx_batch("none", n).rows
+        common = dict(kinds=["code"] * 5, max_new_tokens=NEW_TOKENS, eos_token_ids=set(), top_k=TOP_K,
+                      feature_layers=LAYERS)
+        ours = teachers.answerer(teacher, 5)(prompts, **common)
+        reference = answer_prompts_onnx(_onnx_batch(targets, rows=8), prompts, **common)
+        assert [s.token_ids.tolist() for s in ours] == [s.token_ids.tolist() for s in reference]
+        teachers.keep_rows(3)
+        assert sorted(k[2] for k in teachers.made if k[0] == "onnx") == [3] and teachers.batch_rows == 3
+        assert teachers.answerer(teacher).args[0].max_rows == 3
+    finally:
+        teachers.release()
+
+
+def test_distill_measures_the_onnx_teachers_rows_and_answers_at_the_choice(eight_layer_target, tmp_path, monkeypatch):
+    """--teacher-engine onnx with two candidate rows: both are timed, the run answers at the chosen rows (here the
+    most: ROWS_GAIN 0 makes the rule pick them on any machine, so a run still answering from the first candidate's
+    2-row batch fails: 4 prompts do not fit it), and the record and the cache key say so."""
+    from specpipe.distill import distill, teachers
+    from specpipe.distill.teacher import META
+
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(teachers, "ROWS_GAIN", 0.0)
+    cfg = DistillConfig(target=str(eight_layer_target), out=tmp_path / "head", kind="eagle3", minutes=5,
+                        answer_tokens=120, train_tokens=300, answer_batch=2, answer_batches=[2, 4], max_answer_tokens=12,
+                        batch_tokens=256, head_vocab=64, feature_layers=list(LAYERS), teacher_engine="onnx",
+                        train_dtype="float32", verdict_quant=["none"], verdict=False)
+    record = distill(cfg).record
+    assert record["precision"]["teacher"]["dtype"] == "onnx fp32"
+    rows = record["precision"]["teacher rows"]
+    assert rows["dtype"] == "4" and set(rows["tokens_per_s"]) == {"2 rows", "4 rows"}
+    assert record["data"]["answer_batch"] == 4 and record["data"]["answer_tokens"] > 0
+    keys = [json.loads(p.read_text())["key"] for p in (tmp_path / "cache" / "distill-data").glob(f"*/{META}")]
+    assert [k["batch"] for k in keys if k.get("source") == "answers"] == [4]

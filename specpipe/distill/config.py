@@ -28,10 +28,10 @@ DISTILL_KIND_DEFAULTS: dict[str, dict[str, float]] = {
 # batch and 1,024-token steps leave it mostly idle; the H200 run (docs/gpu.md) answered 256 prompts at once (4.4k
 # answer tokens/s) and trained an EAGLE-3 head on 4,096-token steps (89k tokens/s, held-out 0.645 at position 1).
 # Those sizes ran there; other sizes were not timed on a GPU.
-# On a CPU the torch teacher's rows are chosen by measurement among ANSWER_BATCH_CANDIDATES (distill/teachers.py
-# `choose_answer_rows`): on an Intel with AMX (2 cores, torch bf16, 2026-12-07) 48 / 96 / 144 / 192 prompts at once
-# answered 375 / 475 / 515 / 502 tokens/s, while the ONNX teacher's KV batch stays at answer_batch's 48 (96 rows: 1.07x
-# there). --answer-batch fixes the rows for every teacher.
+# On a CPU a teacher's rows are chosen by measurement among ANSWER_BATCH_CANDIDATES (distill/teachers.py
+# `choose_answer_rows`), torch and ONNX teachers alike: on an Intel with AMX (2 cores, 2026-12-07) torch bf16 answered
+# 375 / 475 / 515 / 502 tokens/s at 48 / 96 / 144 / 192 prompts at once; on a Zen 4 (session 53) the ONNX int8-wo
+# teacher, which wins the run-off there, 391 / 411 / 426 at 48 / 96 / 144. --answer-batch fixes the rows.
 DISTILL_DEVICE_DEFAULTS: dict[str, dict[str, dict[str, float]]] = {
     "cpu": {"model": {"answer_batch": 48}, "eagle3": {"answer_batch": 48}},
     "cuda": {"model": {"answer_batch": 256}, "eagle3": {"answer_batch": 256, "batch_tokens": 4096}},
@@ -92,11 +92,11 @@ class DistillConfig(Strict):
     prompts: Optional[Path] = Field(None, description='extra training prompts, JSONL lines with {"prompt": ...}')
     max_answer_tokens: int = Field(160, ge=8, description="longest target answer generated for training")
     answer_batch: Optional[int] = Field(None, ge=1, description="prompts the target answers at once; default by "
-                                        "device: on a CPU 48, or the torch teacher's fastest of 48, 96, 144 "
-                                        "measured; 256 on a GPU")
+                                        "device: on a CPU the teacher's fastest of 48, 96, 144 measured (48 unless "
+                                        "more answer 1.05x as fast); 256 on a GPU")
     answer_batches: Optional[list[Annotated[int, Field(ge=1)]]] = Field(
-        None, min_length=1, description="the torch teacher's rows to choose from by measurement (the first: the run-off's and "
-        "the ONNX teacher's); default by device, or [--answer-batch] when that is given")
+        None, min_length=1, description="the teacher's rows to choose from by measurement (the first: the run-off's); default "
+        "by device, or [--answer-batch] when that is given")
     sample_temperature: float = Field(0.7, gt=0.0, description="temperature of answers after the greedy first pass")
     teacher_top_k: int = Field(32, ge=1, description="target probabilities kept per position")
     teacher_engine: Literal["auto", "torch", "onnx"] = Field(

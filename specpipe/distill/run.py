@@ -95,10 +95,9 @@ def _answers_complete(cache, cfg: DistillConfig, budget_s: float) -> bool:
     return cache.answer_tokens >= cfg.answer_tokens if cfg.answer_tokens else cache.seconds >= budget_s
 
 
-def _answer_rows(cfg: DistillConfig, teacher) -> list[int]:
-    """The rows `teacher` may answer at once: a torch teacher's candidates (cfg.answer_batches), the ONNX teacher's KV
-    batch (cfg.answer_batch)."""
-    return list(cfg.answer_batches or [cfg.answer_batch]) if teacher.engine == "torch" else [cfg.answer_batch]
+def _answer_rows(cfg: DistillConfig) -> list[int]:
+    """The rows a teacher may answer at once, to choose from by measurement: torch and ONNX teachers alike."""
+    return list(cfg.answer_batches or [cfg.answer_batch])
 
 
 def _cached_teacher(cfg: DistillConfig, root: Path, target, prompts: list[dict], device, feature_layers: tuple[int, ...],
@@ -110,10 +109,10 @@ def _cached_teacher(cfg: DistillConfig, root: Path, target, prompts: list[dict],
     from specpipe.distill.precision import PrecisionChoice
     from specpipe.distill.teacher import TeacherCache
 
-    if len(candidates) < 2 and not any(len(_answer_rows(cfg, t)) > 1 for t in candidates):
+    if len(candidates) < 2 and len(_answer_rows(cfg)) < 2:
         return None
     for teacher in candidates:
-        for rows in _answer_rows(cfg, teacher):
+        for rows in _answer_rows(cfg):
             complete = True
             if "answers" in cfg.data:
                 cache = TeacherCache.existing(root, _teacher_cache_key(cfg, target, prompts, "answers", teacher, device,
@@ -169,13 +168,14 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
     teacher = Teacher.parse(choice.dtype)
     if cached is None:
         rows = cfg.answer_batch
-        candidate_rows = _answer_rows(cfg, teacher)
+        candidate_rows = _answer_rows(cfg)
         if "answers" in cfg.data and len(candidate_rows) > 1:
             rows_ids = chat_ids(tokenizer, prompts[: max(candidate_rows)])
             rows_choice = choose_answer_rows(candidate_rows, device, lambda r: teachers.rows_call(teacher, rows_ids[:r]),
                                              warm=bool(choice.tokens_per_s))
             precision["teacher rows"] = rows_choice
             rows = int(rows_choice.dtype)
+            teachers.keep_rows(rows)
             progress.log(f"precision {rows_choice.describe()}")
 
     if "answers" in cfg.data:
@@ -201,7 +201,7 @@ def _teacher_data(cfg: DistillConfig, target, model, tokenizer, eos_ids: set[int
             if budget_tokens and started is not None:  # at least a moment: a batch cut short keeps its answers
                 answer_s = max(MIN_ANSWER_S, started + budget_s - time.perf_counter())
             generate_teacher_data(
-                teachers.answerer(teacher), tokenizer, cache, prompts, budget_s=answer_s, budget_tokens=budget_tokens,
+                teachers.answerer(teacher, rows), tokenizer, cache, prompts, budget_s=answer_s, budget_tokens=budget_tokens,
                 batch_size=rows, max_new_tokens=cfg.max_answer_tokens, eos_token_ids=eos_ids,
                 top_k=cfg.teacher_top_k, sample_temperature=cfg.sample_temperature, seed=cfg.seed, on_batch=on_batch,
                 feature_layers=feature_layers,

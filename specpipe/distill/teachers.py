@@ -29,10 +29,11 @@ PROBE_NEW_TOKENS = 8
 # tokens/s) where whole 48-row batches answered 1.25x faster in fp32 (docs/eagle3.md 3o).
 RUNOFF_WITHIN = 0.8
 RUNOFF_NEW_TOKENS = 16
-# The rows a torch teacher answers at once (`choose_answer_rows`): each candidate answers that many of the run's first
-# prompts, whole, with ROWS_NEW_TOKENS tokens each. On an Intel with AMX (torch bf16, 2 cores) 32-token answers ranked
-# 48 / 96 / 144 rows as 160-token ones did (399 / 497 / 540 against 375 / 475 / 515 answer tokens/s; docs/eagle3.md
-# 3za). More rows are kept only for at least ROWS_GAIN the tokens/s of fewer: they hold more memory and a time cap cuts
+# The rows a teacher answers at once (`choose_answer_rows`): each candidate answers that many of the run's first
+# prompts, whole, with ROWS_NEW_TOKENS tokens each (the ONNX teacher from a KV batch of that many rows). On an Intel
+# with AMX (torch bf16, 2 cores) 32-token answers ranked 48 / 96 / 144 rows as 160-token ones did (399 / 497 / 540
+# against 375 / 475 / 515 answer tokens/s; docs/eagle3.md 3za). More rows are kept only for at least ROWS_GAIN the
+# tokens/s of fewer: they hold more memory (the ONNX teacher's fp32 KV buffer grows with its rows) and a time cap cuts
 # a larger batch.
 ROWS_NEW_TOKENS = 32
 ROWS_GAIN = 1.05
@@ -120,27 +121,38 @@ class Teachers:
             self.made[key] = teacher
         return self.made[key]
 
-    def onnx_batch(self, quant: str):
-        """An empty KVBatch of the target engine at `quant` (exported once by `targets`, loaded once)."""
-        key = ("onnx", quant)
-        if key not in self.made:
+    def onnx_batch(self, quant: str, rows: Optional[int] = None):
+        """An empty KVBatch of `rows` rows (batch_rows when None) of the target engine at `quant` (exported once by
+        `targets`, loaded once; one batch per rows asked for, until `keep_rows`)."""
+        rows = rows or self.batch_rows
+        engine_key, key = ("onnx engine", quant), ("onnx", quant, rows)
+        if engine_key not in self.made:
             from specpipe.engines import load_engine
 
             if self.targets is None:
                 raise ValueError("an ONNX teacher needs the run's exported targets")
             # workers that block, not spin, between calls: the probe interleaves torch calls with this engine's,
             # and a spinning worker would take a core from them (a 48-row step is long: blocking costs it little)
-            engine = load_engine(self.targets.folder(quant), threads=self.threads, spinning=False)
-            self.made[key] = engine.new_batch(self.batch_rows)
+            self.made[engine_key] = load_engine(self.targets.folder(quant), threads=self.threads, spinning=False)
+        if key not in self.made:
+            self.made[key] = self.made[engine_key].new_batch(rows)
         return self.made[key]
 
-    def answerer(self, teacher: Teacher) -> Callable[..., list]:
-        """The teacher's answer function: (prompt_ids, kinds=, max_new_tokens=, ...) -> TeacherSequence records."""
+    def keep_rows(self, rows: int) -> None:
+        """Drop the ONNX batches of any other row count (choose_answer_rows measured them; each holds its KV buffer)
+        and answer `rows` at once from here on."""
+        self.batch_rows = rows
+        for key in [k for k in self.made if k[0] == "onnx" and k[2] != rows]:
+            del self.made[key]
+
+    def answerer(self, teacher: Teacher, rows: Optional[int] = None) -> Callable[..., list]:
+        """The teacher's answer function: (prompt_ids, kinds=, max_new_tokens=, ...) -> TeacherSequence records, for at
+        most `rows` prompts a call (batch_rows when None; a torch teacher takes any number)."""
         from specpipe.distill.teacher import answer_prompts, answer_prompts_onnx
 
         if teacher.engine == "torch":
             return functools.partial(answer_prompts, self.torch_model(teacher.precision))
-        return functools.partial(answer_prompts_onnx, self.onnx_batch(teacher.precision))
+        return functools.partial(answer_prompts_onnx, self.onnx_batch(teacher.precision, rows))
 
     def probe(self, teacher: Teacher, prompt_ids: list[list[int]]) -> Callable[[], int]:
         """A call answering PROBE_ROWS (at most a batch) short prompts (real prompts' first tokens) with PROBE_NEW_TOKENS greedy tokens
@@ -155,12 +167,13 @@ class Teachers:
 
     def rows_call(self, teacher: Teacher, prompt_ids: list[list[int]]) -> Callable[[], int]:
         """A call answering `prompt_ids` (chat-formatted: the run's first prompts, as many as the rows measured) with
-        ROWS_NEW_TOKENS greedy tokens each, features included when the run keeps them: returns the answer tokens. A
-        torch teacher's rows are its call's (the ONNX teacher's KV batch has batch_rows)."""
-        return self._answering(teacher, [list(ids) for ids in prompt_ids], ROWS_NEW_TOKENS)
+        ROWS_NEW_TOKENS greedy tokens each, features included when the run keeps them: returns the answer tokens. The
+        ONNX teacher answers them from a KV batch of that many rows."""
+        return self._answering(teacher, [list(ids) for ids in prompt_ids], ROWS_NEW_TOKENS, batch_rows=len(prompt_ids))
 
-    def _answering(self, teacher: Teacher, rows: list[list[int]], new_tokens: int) -> Callable[[], int]:
-        answer = self.answerer(teacher)
+    def _answering(self, teacher: Teacher, rows: list[list[int]], new_tokens: int,
+                   batch_rows: Optional[int] = None) -> Callable[[], int]:
+        answer = self.answerer(teacher, batch_rows)
 
         def call() -> int:
             sequences = answer(rows, kinds=["probe"] * len(rows), max_new_tokens=new_tokens, eos_token_ids=set(),
@@ -205,7 +218,7 @@ def choose_teacher(names: Sequence[Teacher], device, make_call: Callable[[Teache
 
 def choose_answer_rows(candidates: Sequence[int], device, make_call: Callable[[int], Callable[[], int]],
                        measure: Optional[Callable[..., dict]] = None, warm: bool = True):
-    """How many prompts a torch teacher answers at once: each of `candidates` (rows) timed by `make_call(rows)`
+    """How many prompts a teacher answers at once: each of `candidates` (rows) timed by `make_call(rows)`
     (Teachers.rows_call), interleaved (precision.compare; the run-off warmed the teacher), as a PrecisionChoice of phase
     "teacher rows" whose dtype is the rows chosen ("144") and whose rates are named "48 rows", .... Going up from the
     fewest, more rows replace fewer only at ROWS_GAIN their tokens/s or more. One candidate is not measured. `warm`
