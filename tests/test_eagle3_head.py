@@ -230,13 +230,23 @@ def test_head_training_learns(trained_head):
     assert record["data"]["held_out"] > 0
 
 
+def assert_draft_cost_is_the_steps_ratio(costs: dict, ms: dict) -> None:
+    """costs["draft"] is the head's step over the target's, within what the record's rounding allows: each step is
+    rounded to 1 us (distill/verdict.py) and the cost to 4 decimals. The tiny models' steps are a fraction of a
+    millisecond, so on a fast CPU the rounding alone moves their ratio by more than 1% (seen on a Zen 5: 0.4099
+    recorded beside 0.049 / 0.121 = 0.405)."""
+    draft, target, half_us = ms["draft_step_ms"], ms["target_step_ms"], 0.0005
+    low, high = (draft - half_us) / (target + half_us), (draft + half_us) / (target - half_us)
+    assert low - 5e-5 <= costs["draft"] <= high + 5e-5, (costs, ms)
+
+
 def test_verdict_times_the_engines_that_will_run(trained_head):
     """The head's verdict predicts with the target's ONNX Runtime engine and the head's CPU engine, timed here."""
     verdict = trained_head.record["verdict"]
     assert verdict["predicted_speedup"] is not None, verdict
     ms = verdict["step_ms"]
     assert ms["target_step_ms"] > 0 and ms["draft_step_ms"] > 0
-    assert verdict["step_costs"]["draft"] == pytest.approx(ms["draft_step_ms"] / ms["target_step_ms"], rel=1e-2, abs=1e-3)
+    assert_draft_cost_is_the_steps_ratio(verdict["step_costs"], ms)
     assert "ONNX Runtime" in verdict["measured_with"] and "EAGLE-3 head" in verdict["measured_with"]
     # the acceptance decoding will see: the head, and prompt lookup where it is unsure (speculative/eagle3.py)
     chain, alone = trained_head.record["held_out_chain_with_lookup"], trained_head.record["held_out_chain"]
@@ -257,8 +267,7 @@ def test_verdict_predicts_against_each_target_precision(trained_head, eight_laye
     for quant, one in by_quant.items():
         assert one["target_quant"] == quant and one["step_ms"]["target_step_ms"] > 0
         assert one["step_ms"]["head_dtype"] in HEAD_DTYPES  # the runtime build would run it in
-        assert one["step_costs"]["draft"] == pytest.approx(one["step_ms"]["draft_step_ms"] / one["step_ms"]["target_step_ms"],
-                                                           rel=1e-2, abs=1e-3)
+        assert_draft_cost_is_the_steps_ratio(one["step_costs"], one["step_ms"])
     assert v["predicted_speedup"] == min(one["predicted_speedup"] for one in by_quant.values())
     assert "int8-wo" in by_quant["int8-wo"]["measured_with"] and "fp32" in by_quant["none"]["measured_with"]
     line = verdict_line(v)
