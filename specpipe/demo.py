@@ -82,7 +82,7 @@ NAME = "smollm2-demo"
 #   13 min 33 s: 11 minutes of the bound unused, with a head held out at 0.54 where the same CPU's hour reached 0.703
 #   (docs/eagle3.md 3zd). The budget is doubled (the ratio of training tokens to answers kept), so a fast CPU spends
 #   the cap. A CPU whose cap already stopped the 160k / 900k is not changed; one in between (the Zen 4 of session 54:
-#   19 min 36 s with the install) now spends its cap too, which the 7 minutes kept for after the cap still bound.
+#   19 min 36 s without the install) now spends its cap too, which the 7 minutes kept for after the cap still bound.
 DISTILL_KIND = "eagle3"
 DISTILL_ANSWER_TOKENS = 320_000
 DISTILL_TRAIN_TOKENS = 1_800_000
